@@ -1,0 +1,60 @@
+"""Attention backends over the paged KV cache, and the choice between them.
+
+`triton` runs our kernels (pagecli.kernels) on CUDA; `torch` runs everywhere.
+Both read and write the same NHD cache layout: [num_blocks, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from pagecli.attention.metadata import AttentionMetadata
+from pagecli.errors import PagecliError
+
+ATTENTION_CHOICES = ("auto", "triton", "torch")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def forward(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor: ...
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Resolve --attention auto|triton|torch for a device; triton needs CUDA unless interpreting."""
+    if name not in ATTENTION_CHOICES:
+        raise PagecliError(f"Unknown attention backend '{name}'; choose one of: {', '.join(ATTENTION_CHOICES)}.")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from pagecli.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if device.type != "cuda" and not triton_interpreting():
+        raise PagecliError(
+            "The triton attention backend needs an NVIDIA GPU (or TRITON_INTERPRET=1 for testing); "
+            "use --attention torch on this machine."
+        )
+    try:
+        from pagecli.attention.triton_backend import TritonAttentionBackend
+    except ImportError as exc:  # triton missing from the environment
+        raise PagecliError(f"The triton attention backend is unavailable ({exc}); use --attention torch.") from exc
+    return TritonAttentionBackend()
+
+
+__all__ = ["ATTENTION_CHOICES", "AttentionBackend", "AttentionMetadata", "select_backend", "triton_interpreting"]

@@ -1,0 +1,62 @@
+"""Per-step attention metadata: where each new token's K/V goes and what each sequence attends to.
+
+The model runner builds one `AttentionMetadata` per forward pass and passes it down
+explicitly (no module-global context). Sequences in the flattened batch are ordered
+decodes first (query length 1), then prefills (chunks of one or more tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; flat slot = block_id * block_size + offset, -1 = padding
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32; tokens of seq i are query_start_loc[i]:query_start_loc[i+1]
+    seq_lens: torch.Tensor  # [num_seqs] int32; context length of each sequence *including* this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0 (a valid id; reads are masked by length)
+    num_decode_seqs: int  # the first num_decode_seqs sequences have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the torch backend never syncs with the device to read lengths.
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        num_decode_seqs: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build tensors from host lists (one place, so runner and tests agree on the layout)."""
+        max_blocks = max((len(t) for t in block_tables), default=0) or 1
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            num_decode_seqs=num_decode_seqs,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )

@@ -1,0 +1,83 @@
+"""Attention over the paged KV cache in plain PyTorch: the CPU path and the fallback everywhere.
+
+Writes new K/V with one indexed copy into the flat slot view of the cache, then runs
+scaled dot-product attention per sequence over the blocks its block table names.
+For decode, the query heads that share a KV head are folded into the query length
+(`[kv_heads, group, head_dim]`), which needs no mask and no K/V repeat.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagecli.attention.metadata import AttentionMetadata
+from pagecli.attention.reference import gather_context
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        slots = meta.slot_mapping
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])  # [num_slots, kv_heads, head_dim]
+        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        if slots.numel() and bool((slots < 0).any()):
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            q = query[start : start + q_len]
+            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            if q_len == 1:
+                q_folded = q.view(num_kv_heads, group, head_dim)  # [kv_heads, group, head_dim]
+                o = F.scaled_dot_product_attention(q_folded, k, v, scale=scale)
+                out[start] = o.reshape(num_heads, head_dim)
+            else:
+                o = self._prefill_one(q.transpose(0, 1), k, v, seq_len, scale, group)
+                out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _prefill_one(
+        q: torch.Tensor,  # [num_heads, q_len, head_dim]
+        k: torch.Tensor,  # [kv_heads, seq_len, head_dim]
+        v: torch.Tensor,
+        seq_len: int,
+        scale: float,
+        group: int,
+    ) -> torch.Tensor:
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        q_len = q.shape[1]
+        if q_len == seq_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        # New tokens follow a cached prefix: token j may see positions <= prefix_len + j.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale)

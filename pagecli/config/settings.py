@@ -1,0 +1,89 @@
+"""Engine and sampling settings: frozen dataclasses, validated when they are built.
+
+One place defines every tunable; profiles (TOML) and command-line flags only fill them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from pagecli.errors import PagecliError
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_CHOICES = ("auto", "triton", "torch")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise PagecliError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: cache geometry, memory budget and batching limits."""
+
+    block_size: int = 16
+    kv_budget_gib: float = 0.5  # KV pool size on CPU
+    gpu_memory_fraction: float = 0.85  # share of free GPU memory (after weights) for the KV pool
+    num_blocks: int | None = None  # overrides the budget when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    dtype: str = "auto"
+    attention: str = "auto"
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+    threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
+        _require(self.kv_budget_gib > 0, f"kv_budget_gib must be positive (got {self.kv_budget_gib}).")
+        _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction must be in (0, 1].")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be at least 1.")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1.")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1.")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2.")
+        _require(self.dtype in DTYPE_CHOICES, f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got '{self.dtype}').")
+        _require(
+            self.attention in ATTENTION_CHOICES,
+            f"attention must be one of {', '.join(ATTENTION_CHOICES)} (got '{self.attention}').",
+        )
+        _require(self.device in DEVICE_CHOICES, f"device must be one of {', '.join(DEVICE_CHOICES)}.")
+        _require(self.threads is None or self.threads >= 1, "threads must be at least 1.")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen for one request. temperature 0 means greedy."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        _require(self.temperature >= 0, f"temperature must be 0 or more (got {self.temperature}).")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}).")
+        _require(self.top_k >= 0, f"top_k must be 0 (off) or more (got {self.top_k}).")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}).")
+        _require(self.repetition_penalty > 0, f"repetition_penalty must be positive (got {self.repetition_penalty}).")
+        _require(self.max_tokens >= 1, f"max_tokens must be at least 1 (got {self.max_tokens}).")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))

@@ -1,0 +1,302 @@
+"""The Engine facade: requests in, streamed events and completions out.
+
+`add_request` tokenizes and queues; `step` runs one scheduled forward pass and returns the
+events it produced; `stream` and `generate` loop over steps. Everything a caller may want
+to show (pool occupancy, prefix hits, preemptions) comes from `stats()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagecli.attention import select_backend
+from pagecli.config.settings import EngineConfig, SamplingParams
+from pagecli.engine.block_pool import BlockPool
+from pagecli.engine.detokenizer import IncrementalDetokenizer
+from pagecli.engine.hashing import root_hash
+from pagecli.engine.kv_cache_manager import KVCacheManager
+from pagecli.engine.model_runner import ModelRunner
+from pagecli.engine.sampler import make_generator, sample
+from pagecli.engine.scheduler import Scheduler
+from pagecli.engine.sequence import Sequence
+from pagecli.engine.stats import EngineStats
+from pagecli.errors import PagecliError
+from pagecli.models.fingerprint import model_fingerprint
+from pagecli.models.loader import LoadedModel, load_model
+
+Prompt = str | list[dict[str, Any]] | list[int]
+_DEFAULT_CONTEXT_CAP = 8192
+_END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What one step did for one request: new text (possibly empty) and, at the end, why it stopped."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+
+
+class _Request:
+    """Per-request text state: the detokenizer and how much text has been emitted."""
+
+    def __init__(self, seq: Sequence, tokenizer: Any) -> None:
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.emitted_chars = 0
+        self.holdback = max((len(s) for s in seq.sampling.stop), default=1) - 1
+        self.final_text: str | None = None
+
+
+class Engine:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None,
+                 loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        if config is not None and config.threads:
+            torch.set_num_threads(config.threads)
+        if loaded is None:
+            from pagecli.models.source import resolve_model
+
+            folder = resolve_model(model)
+            loaded = load_model(folder, self.config.dtype, self.config.device,
+                                max_positions=self._context_cap_for(folder))
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        spec = loaded.spec
+        self.backend = select_backend(self.config.attention, loaded.device)
+        self.kv_bytes_per_block = spec.kv_bytes_per_token(loaded.dtype.itemsize) * self.config.block_size
+        num_blocks = self._num_blocks()
+        self.max_model_len = min(self._model_context_len(), num_blocks * self.config.block_size)
+        self.chat_template = getattr(self.tokenizer, "chat_template", None)
+        self.fingerprint = model_fingerprint(
+            loaded.folder, self.chat_template, str(loaded.dtype).removeprefix("torch."), self.config.block_size
+        )
+        self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint))
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded, self.backend, num_blocks, self.config.block_size)
+        self.stop_token_ids = self._stop_token_ids()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._prompt_tokens_computed = 0
+        self._tokens_generated = 0
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+    # --- sizing -----------------------------------------------------------------------------
+    def _context_cap_for(self, folder: Any) -> int:
+        from pagecli.models.loader import load_hf_config
+        from pagecli.models.spec import DecoderSpec
+
+        return self._context_len(DecoderSpec.from_hf_config(load_hf_config(folder)))
+
+    def _context_len(self, spec: Any) -> int:
+        limit = self.config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_CONTEXT_CAP)
+        if self.config.max_model_len and self.config.max_model_len > spec.max_position_embeddings:
+            raise PagecliError(
+                f"max_model_len {self.config.max_model_len} exceeds the model's context of "
+                f"{spec.max_position_embeddings} tokens."
+            )
+        if spec.sliding_window:
+            limit = min(limit, spec.sliding_window)  # beyond the window the model attends differently
+        return limit
+
+    def _model_context_len(self) -> int:
+        return self._context_len(self.loaded.spec)
+
+    def _num_blocks(self) -> int:
+        if self.config.num_blocks:
+            return self.config.num_blocks
+        if self.loaded.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.loaded.device)
+            budget = int(free_bytes * self.config.gpu_memory_fraction)
+        else:
+            budget = int(self.config.kv_budget_gib * (1 << 30))
+        num_blocks = budget // self.kv_bytes_per_block
+        if num_blocks < 1:
+            raise PagecliError("The KV memory budget holds no block at all; raise kv_budget_gib or gpu_memory_fraction.")
+        return num_blocks
+
+    def _stop_token_ids(self) -> frozenset[int]:
+        ids = set(self.loaded.eos_token_ids)
+        vocab = self.tokenizer.get_vocab()
+        for marker in _END_OF_TURN_MARKERS:
+            if marker in vocab and (self.chat_template is None or marker in self.chat_template):
+                ids.add(vocab[marker])
+        return frozenset(ids)
+
+    # --- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for a plain prompt (str), chat messages (list of dicts) or ids (list of ints)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return self.encode_chat(prompt)  # type: ignore[arg-type]
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages) + "\nassistant:"
+        return list(self.tokenizer(text)["input_ids"])
+
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        token_ids = self.encode(prompt)
+        if not token_ids:
+            raise PagecliError("The prompt is empty.")
+        if len(token_ids) >= self.max_model_len:
+            raise PagecliError(
+                f"The prompt has {len(token_ids)} tokens; this engine holds at most {self.max_model_len} "
+                "per sequence (max_model_len or the KV pool). Shorten it or raise max_model_len/kv_budget_gib."
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise PagecliError(f"Request id '{request_id}' is already in use.")
+        seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
+        seq.generator = make_generator(sampling)
+        self._requests[request_id] = _Request(seq, self.tokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._requests.pop(request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[RequestEvent]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not a user error
+        sampled = [item.seq for item in plan.scheduled if item.samples]
+        logits = self.runner.execute(plan.scheduled)
+        for item in plan.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            self._prompt_tokens_computed += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit_full_blocks(seq)
+        self._steps += 1
+        events = []
+        for seq, token_id in zip(sampled, sample(logits, sampled)):
+            events.append(self._on_token(seq, token_id))
+        return events
+
+    def _on_token(self, seq: Sequence, token_id: int) -> RequestEvent:
+        req = self._requests[seq.request_id]
+        seq.append_token(token_id)
+        self._tokens_generated += 1
+        params = seq.sampling
+        reason = None
+        if token_id in self.stop_token_ids and not params.ignore_eos:
+            reason = "stop"
+        else:
+            req.detok.add(token_id)
+            stop_at = _find_stop(req.detok.text, params.stop)
+            if stop_at is not None:
+                req.final_text = req.detok.text[:stop_at]
+                reason = "stop"
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._event(req, token_id, reason)
+
+    def _event(self, req: _Request, token_id: int, reason: str | None) -> RequestEvent:
+        seq = req.seq
+        if reason is None:
+            full = req.detok.text
+            visible_end = max(req.emitted_chars, len(full) - req.holdback)
+        else:
+            full = req.final_text if req.final_text is not None else req.detok.text
+            visible_end = len(full)
+            del self._requests[seq.request_id]
+        new_text = full[req.emitted_chars : visible_end]
+        req.emitted_chars = visible_end
+        ttft = seq.first_token_time_s - seq.arrival_time_s if seq.first_token_time_s else None
+        return RequestEvent(
+            request_id=seq.request_id, text=new_text, token_ids=(token_id,), finished=reason is not None,
+            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.num_cached_tokens, ttft_s=ttft,
+        )
+
+    def stream(self) -> Iterator[RequestEvent]:
+        """Step until every queued request has finished, yielding events as they happen."""
+        while self.has_unfinished:
+            yield from self.step()
+
+    def generate(self, prompts: Iterable[Prompt], sampling: SamplingParams | None = None) -> list[Completion]:
+        ids = [self.add_request(p, sampling) for p in prompts]
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        done: dict[str, Completion] = {}
+        for ev in self.stream():
+            if ev.request_id not in texts:
+                continue
+            texts[ev.request_id].append(ev.text)
+            tokens[ev.request_id].extend(ev.token_ids)
+            if ev.finished:
+                done[ev.request_id] = Completion(
+                    ev.request_id, "".join(texts[ev.request_id]), tuple(tokens[ev.request_id]),
+                    ev.finish_reason or "stop", ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.ttft_s,
+                )
+        return [done[i] for i in ids]
+
+    # --- observation ----------------------------------------------------------------------------
+    def stats(self, include_block_states: bool = False) -> EngineStats:
+        counts = self.pool.counts()
+        return EngineStats(
+            block_size=self.pool.block_size, num_blocks=counts.total,
+            kv_bytes_per_block=self.kv_bytes_per_block, kv_bytes_total=self.runner.kv_bytes,
+            weights_bytes=self.weights_bytes,
+            blocks_free=counts.free, blocks_cached=counts.cached, blocks_active=counts.active,
+            blocks_shared=counts.shared,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
+            prompt_tokens_computed=self._prompt_tokens_computed, tokens_generated=self._tokens_generated,
+            prefix_query_tokens=self.kv.prefix_query_tokens, prefix_hit_tokens=self.kv.prefix_hit_tokens,
+            prefix_disk_hit_tokens=0, evictions=self.pool.evictions,
+            device=str(self.loaded.device), dtype=str(self.loaded.dtype).removeprefix("torch."),
+            attention_backend=self.backend.name, max_model_len=self.max_model_len,
+            block_states=tuple(self.pool.block_states()) if include_block_states else None,
+        )
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(positions) if positions else None
+
+
+def now_s() -> float:
+    return time.perf_counter()

@@ -1,0 +1,84 @@
+"""Runs one scheduled step through the model: flat batch in, logits of the sampled positions out.
+
+Owns the KV pool tensor: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim],
+allocated once. No padding: the batch is the concatenation of every scheduled chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagecli.attention import AttentionBackend, AttentionMetadata
+from pagecli.engine.scheduler import ScheduledSeq
+from pagecli.models.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [num_sampled] rows of the hidden states whose logits are needed
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, backend: AttentionBackend, num_blocks: int, block_size: int) -> None:
+        self.loaded = loaded
+        self.backend = backend
+        self.block_size = block_size
+        spec = loaded.spec
+        # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = torch.zeros(
+            spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=loaded.dtype, device=loaded.device,
+        )
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_caches.numel() * self.kv_caches.element_size()
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_indices: list[int] = []
+        bs = self.block_size
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if item.samples:
+                sample_indices.append(len(input_ids) - 1)
+        device = self.loaded.device
+        num_decode = sum(1 for q in query_lens if q == 1)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, num_decode, device)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            meta=meta,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Forward one step; returns logits [num_sampled, vocab] in scheduled order."""
+        inputs = self.prepare(scheduled)
+        hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        return self.loaded.model.compute_logits(hidden[inputs.sample_indices])
+
+    def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
+        """K/V of some blocks, all layers: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        return self.kv_caches[:, :, block_ids].cpu()
+
+    def copy_blocks_in(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.kv_caches[:, :, block_ids] = data.to(self.kv_caches.device, self.kv_caches.dtype)

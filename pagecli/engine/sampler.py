@@ -1,0 +1,66 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+Each sampled sequence draws from its own torch.Generator, so the same seed gives the same
+output whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagecli.config.settings import SamplingParams
+from pagecli.engine.sequence import Sequence
+
+
+def make_generator(sampling: SamplingParams) -> torch.Generator | None:
+    if sampling.greedy:
+        return None
+    generator = torch.Generator()
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+    return generator
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: [num_seqs, vocab] (any dtype, any device); returns one token id per sequence."""
+    logits = logits.float().cpu()
+    chosen: list[int] = []
+    for row, seq in enumerate(seqs):
+        params = seq.sampling
+        row_logits = logits[row]
+        if params.repetition_penalty != 1.0:
+            row_logits = apply_repetition_penalty(row_logits, seq.token_ids, params.repetition_penalty)
+        if params.greedy:
+            chosen.append(int(row_logits.argmax()))
+        else:
+            probs = filtered_probs(row_logits, params)
+            chosen.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+    return chosen
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
+    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
+    seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+    logits = logits.clone()
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (renormalised; never all zero)."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        drop_sorted = (cumulative - sorted_probs) >= params.top_p  # keeps the token that crosses top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

@@ -1,0 +1,69 @@
+"""One request's sequence: its tokens, its block table, and how far its KV has been computed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagecli.config.settings import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_model_len: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    block_table: list[int] = field(default_factory=list)  # physical block ids, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time_s: float = field(default_factory=time.perf_counter)
+    first_token_time_s: float | None = None
+    generator: Any = None  # torch.Generator for seeded sampling (None when greedy)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time_s is None:
+            self.first_token_time_s = time.perf_counter()

@@ -1,0 +1,62 @@
+"""The one stats snapshot: the chat panel, `bench`, `/stats` and JSON output all read this."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    # Pool geometry and memory.
+    block_size: int
+    num_blocks: int
+    kv_bytes_per_block: int
+    kv_bytes_total: int
+    weights_bytes: int
+    # Pool occupancy: every block is exactly one of free / cached / active (shared is a subset of active).
+    blocks_free: int
+    blocks_cached: int
+    blocks_active: int
+    blocks_shared: int
+    # Scheduler.
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+    # Work done, in tokens.
+    prompt_tokens_computed: int
+    tokens_generated: int
+    # Prefix cache, in tokens: what new requests asked for and what the tiers served.
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_disk_hit_tokens: int
+    evictions: int
+    # Where it runs.
+    device: str
+    dtype: str
+    attention_backend: str
+    max_model_len: int
+    block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
+
+    @property
+    def kv_bytes_used(self) -> int:
+        """Bytes of blocks that hold something (active or cached)."""
+        return (self.blocks_active + self.blocks_cached) * self.kv_bytes_per_block
+
+    @property
+    def tokens_that_fit(self) -> int:
+        """Tokens the pool can still take: free blocks plus cached blocks that may be evicted."""
+        return (self.blocks_free + self.blocks_cached) * self.block_size
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        hits = self.prefix_hit_tokens + self.prefix_disk_hit_tokens
+        return hits / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("block_states")
+        data.update(kv_bytes_used=self.kv_bytes_used, tokens_that_fit=self.tokens_that_fit,
+                    prefix_hit_rate=round(self.prefix_hit_rate, 6))
+        return data

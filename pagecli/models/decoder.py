@@ -1,0 +1,100 @@
+"""The lean decoder shared by Llama, Mistral, Qwen2 and Qwen3: attention runs on the paged cache.
+
+Module names follow Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so
+safetensors weights load by name without a mapping table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagecli.attention import AttentionBackend, AttentionMetadata
+from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagecli.models.spec import DecoderSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        backend.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
+        out = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, h, positions, rotary, kv_cache, meta, backend) -> torch.Tensor:  # noqa: ANN001
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderBody(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = rotary
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, positions, self.rotary, kv_cache, meta, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.output_weight)  # [num_selected, vocab]

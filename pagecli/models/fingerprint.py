@@ -1,0 +1,53 @@
+"""Model fingerprint: what a cached KV block depends on, as one stable digest.
+
+It covers the weights (each safetensors file's header, which names every tensor with its
+dtype, shape and byte offsets, plus the file size and a digest of sampled bytes of the
+data), the tokenizer files, the chat template, the KV dtype, the block size and the cache
+layout version. Prefix-cache hash chains are rooted in it, so KV computed by any other
+model or setting can never be found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+CACHE_LAYOUT_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
+_SAMPLE_BYTES = 1 << 16  # bytes of tensor data read at each of a few offsets per file
+
+
+def weights_digest(folder: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            header_len_bytes = f.read(8)
+            header_len = struct.unpack("<Q", header_len_bytes)[0] if len(header_len_bytes) == 8 else 0
+            h.update(file.name.encode() + size.to_bytes(8, "little") + f.read(min(header_len, size)))
+            for fraction in (0.25, 0.5, 0.75, 1.0):  # sampled data: a retrained model with the same shapes differs
+                f.seek(max(0, int(size * fraction) - _SAMPLE_BYTES))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def tokenizer_digest(folder: Path, chat_template: str | None) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in _TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            h.update(name.encode() + path.read_bytes())
+    h.update((chat_template or "").encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(folder: Path, chat_template: str | None, kv_dtype: str, block_size: int) -> str:
+    return "|".join((
+        f"layout={CACHE_LAYOUT_VERSION}",
+        f"weights={weights_digest(folder)}",
+        f"tokenizer={tokenizer_digest(folder, chat_template)}",
+        f"kv_dtype={kv_dtype}",
+        f"block_size={block_size}",
+    ))

@@ -1,0 +1,135 @@
+"""Load a Hugging Face folder into the lean decoder: config, tokenizer, safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagecli.errors import ModelError
+from pagecli.models.decoder import CausalLM
+from pagecli.models.layers import RotaryEmbedding
+from pagecli.models.spec import DecoderSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    spec: DecoderSpec
+    hf_config: Any
+    tokenizer: Any
+    folder: Path
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelError("No CUDA GPU is available; use --device cpu (or the default 'auto').")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored)
+    stored = stored if stored in _DTYPES.values() else torch.float32
+    if device.type == "cuda" and stored == torch.float32:
+        return torch.bfloat16
+    if device.type == "cpu" and stored == torch.float16:
+        return torch.float32  # float16 matmuls on CPU are slow and lose precision
+    return stored
+
+
+def load_hf_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ModelError(f"Cannot read the model config in '{folder}': {_first_line(exc)}") from exc
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ModelError(f"Cannot load the tokenizer in '{folder}': {_first_line(exc)}") from exc
+
+
+def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None) -> LoadedModel:
+    hf_config = load_hf_config(folder)
+    spec = DecoderSpec.from_hf_config(hf_config)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, hf_config, dev)
+    rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings).to(dev)
+    with torch.device("meta"):  # parameters get their real storage from the checkpoint
+        model = CausalLM(spec, rotary)
+    _load_weights(model, folder, torch_dtype, dev)
+    model.eval()
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(model, spec, hf_config, tokenizer, folder, torch_dtype, dev, _eos_ids(folder, hf_config, tokenizer))
+
+
+def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
+    expected = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_WEIGHT_SUFFIXES) or name not in expected:
+                        continue  # e.g. lm_head.weight of a tied checkpoint
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelError(f"Cannot read weights from '{file}' (corrupt or truncated?): {_first_line(exc)}") from exc
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise ModelError(f"The weights in '{folder}' lack {len(missing)} tensors the model needs ({shown}).")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ModelError(
+                f"Weight '{name}' in '{folder}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}."
+            )
+    model.load_state_dict(state, strict=False, assign=True)
+
+
+def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (OSError, json.JSONDecodeError):
+            pass
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(i for i in source if isinstance(i, int))
+    return frozenset(ids)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

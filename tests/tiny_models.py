@@ -1,0 +1,83 @@
+"""Tiny random models of every supported architecture, saved as Hugging Face folders.
+
+Each folder has config.json, model.safetensors, and a small byte-level BPE tokenizer with a
+ChatML chat template, so the whole load path (config, weights, tokenizer, template) runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "Hello world! How are you today? Très bien, merci. 日本語のテキスト。",
+    "def main():\n    print('hello')\n",
+] * 20
+VOCAB_SIZE = 384
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 8, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaConfig(**{**common, **overrides})
+    if arch == "llama3":  # Llama 3 rope scaling, tied embeddings (like Llama 3.2)
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**{**common, "tie_word_embeddings": True, "rope_parameters": rope, **overrides})
+    if arch == "mistral":
+        return MistralConfig(**{**common, "sliding_window": None, **overrides})
+    if arch == "qwen2":
+        return Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 32, **overrides})
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "bias" in name:
+                param.normal_(0.0, 0.1)  # non-zero biases, so qkv bias really is tested
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder)
+    return folder
