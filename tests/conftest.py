@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's @jit reads TRITON_INTERPRET when a kernel module is imported: without a GPU, every
+# test that touches pagecli.kernels runs them in the interpreter, on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -38,3 +45,19 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once per test session under a session
+    temp PAGECLI_HOME (never the user's cache); the folder lies in that home's models_dir()."""
+    from pagecli.errors import ModelError
+    from pagecli.models.source import prepare_default_model
+
+    home = tmp_path_factory.mktemp("smollm2-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGECLI_HOME", str(home))
+        try:
+            return prepare_default_model()
+        except ModelError as error:
+            pytest.skip(f"embedded model unavailable: {error}")

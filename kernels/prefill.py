@@ -1,0 +1,167 @@
+"""Prefill attention over a paged prefix: new query tokens of many sequences in one launch.
+
+Each sequence brings query_len new tokens whose K/V are already stored in the cache
+behind a cached prefix of seq_len - query_len positions. Query token j sits at position
+prefix_len + j and sees every position <= its own, so one paged loop with the rule
+key_pos <= query_pos covers both the prefix (full) and the new tokens (causal).
+A program takes BLOCK_Q query tokens times all GROUP query heads of one KV head as the
+rows of its tile, so the K/V tiles it loads serve every head that shares them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, online_softmax_step, paged_kv_offsets
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32, rows of query_ptr
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    qk_scale,  # softmax scale * log2(e)
+    stride_query_token,
+    stride_query_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_seq,
+    stride_out_token,
+    stride_out_head,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * GROUP padded to a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if q_block * BLOCK_Q >= query_len:
+        return  # the grid is sized for the longest query in the batch
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    query_index = q_block * BLOCK_Q + rows // GROUP  # within this sequence's new tokens
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (query_index < query_len)
+    query_pos = prefix_len + query_index
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < head_dim
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+
+    tokens = (query_start + query_index).to(tl.int64)
+    q_offsets = tokens[:, None] * stride_query_token + heads[:, None] * stride_query_head + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)  # [BLOCK_M, D_PAD]
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # The last query token of this block sees positions up to its own; nothing past it.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_Q)
+    table_row = block_tables_ptr + seq * stride_table_seq
+    head_offset = kv_head * stride_cache_head
+    for tile_start in range(0, kv_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        pos_mask = positions < kv_end
+        kv_offsets = paged_kv_offsets(
+            table_row, positions, pos_mask, dims, stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE
+        )  # [BLOCK_N, D_PAD]
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        visible = (positions[None, :] <= query_pos[:, None]) & pos_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        # Position 0 is visible to every row, so each row has a finite score in the first tile.
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT)
+
+    out = acc / l_i[:, None]
+    out_offsets = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], new K already stored
+    v_cache: torch.Tensor,  # same shape and strides as k_cache, new V already stored
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, rows of query; need not start at 0
+    seq_lens: torch.Tensor,  # [num_seqs] int32, prefix + new tokens
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated when None
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    Only the query rows named by query_start_loc are written, so a caller can pass the
+    offsets of the prefill part of a mixed batch together with the whole query and out.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+    assert query_start_loc.shape == (num_seqs + 1,)
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
+    assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m = max(64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_N=64 if head_dim_pad <= 128 else 32,
+        FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
+        num_warps=8 if head_dim_pad >= 128 else 4,
+        num_stages=2,
+    )
+    return out
