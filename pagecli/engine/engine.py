@@ -8,8 +8,7 @@ to show (pool occupancy, prefix hits, preemptions) comes from `stats()`.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,14 +74,14 @@ class _Request:
 
 class Engine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
-                 loaded: LoadedModel | None = None) -> None:
+                 loaded: LoadedModel | None = None, progress: Callable[[str], None] | None = None) -> None:
         self.config = config or EngineConfig()
         if config is not None and config.threads:
             torch.set_num_threads(config.threads)
         if loaded is None:
             from pagecli.models.source import resolve_model
 
-            folder = resolve_model(model)
+            folder = resolve_model(model, progress)
             loaded = load_model(folder, self.config.dtype, self.config.device,
                                 max_positions=self._context_cap_for(folder))
         self.loaded = loaded
@@ -297,6 +296,3 @@ def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     positions = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(positions) if positions else None
 
-
-def now_s() -> float:
-    return time.perf_counter()

@@ -1,0 +1,7 @@
+"""`python -m pagecli`."""
+
+import sys
+
+from pagecli.cli import main
+
+sys.exit(main())

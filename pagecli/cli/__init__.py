@@ -1,0 +1,129 @@
+"""The `pagecli` command: Typer app, error handling and exit codes.
+
+Every failure a user can cause ends with one red line and a non-zero exit code;
+`--debug` (or PAGECLI_DEBUG=1) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import click
+import typer
+
+from pagecli import __version__
+from pagecli.cli import options as o
+from pagecli.errors import PagecliError
+from pagecli.ui.progress import error_line
+
+app = typer.Typer(
+    name="pagecli",
+    help="Local LLM inference in the terminal: paged KV cache, prefix reuse, continuous batching.",
+    add_completion=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pagecli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """With no command, starts `pagecli chat` with the default model."""
+    if ctx.invoked_subcommand is None:
+        from pagecli.cli.chat import chat
+
+        ctx.invoke(chat)
+
+
+@app.command()
+def generate(
+    input: Annotated[str, typer.Argument(help="JSONL (prompt/messages, or OpenAI batch lines) or text, one prompt "
+                                              "per line; '-' reads stdin.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="JSONL results, one per input line, in input order; "
+                                        "re-running resumes; '-' writes stdout.")],
+    format: Annotated[str, typer.Option("--format", help="auto|jsonl|text.")] = "auto",
+    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
+                                                     help="Progress bar (default: on a terminal).")] = None,
+    model: o.ModelOpt = None, profile: o.ProfileOpt = None, dtype: o.DtypeOpt = None,
+    attention: o.AttentionOpt = None, device: o.DeviceOpt = None, block_size: o.BlockSizeOpt = None,
+    kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None, max_num_seqs: o.MaxSeqsOpt = None,
+    max_num_batched_tokens: o.MaxBatchedOpt = None, max_model_len: o.MaxLenOpt = None,
+    no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
+    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
+    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
+    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
+) -> None:
+    """Generate completions for every request in INPUT and write them to OUTPUT."""
+    if format not in ("auto", "jsonl", "text"):
+        raise PagecliError(f"--format must be auto, jsonl or text (got '{format}').")
+    from pagecli.cli.generate import run_generate
+
+    settings = o.build_settings(
+        model, profile,
+        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
+             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads),
+        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
+    )
+    code = run_generate(settings, input, output, format, progress)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def profiles() -> None:
+    """List the built-in profiles and what they set."""
+    from pagecli.config import available_profiles, load_profile
+
+    for path in available_profiles():
+        profile = load_profile(str(path))
+        typer.echo(f"{path.stem:12} {profile.description}")
+
+
+def _register_optional_commands() -> None:
+    """Commands that live in their own modules (each registers on `app`)."""
+    import importlib
+
+    for module in ("pagecli.cli.models_cmd",):
+        importlib.import_module(module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("PAGECLI_DEBUG") == "1"
+    _register_optional_commands()
+    try:
+        result = app(args=args, prog_name="pagecli", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except PagecliError as exc:
+        if debug:
+            traceback.print_exc()
+        error_line(str(exc))
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        error_line("Interrupted.")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one sentence, not a traceback
+        if debug:
+            traceback.print_exc()
+        error_line(f"Unexpected {type(exc).__name__}: {exc}. Re-run with --debug for details; please report it.")
+        return 1

@@ -1,0 +1,32 @@
+"""`pagecli models`: which models are ready to run, and preparing the embedded default."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pagecli.cli import app
+from pagecli.ui.progress import say
+
+
+@app.command()
+def models(
+    prepare: Annotated[bool, typer.Option("--prepare", help="Convert the embedded default model now "
+                                                           "(install.sh runs this), so the first run does not wait.")] = False,
+) -> None:
+    """List the embedded default model and the models converted into pagecli's cache."""
+    from pagecli.models import source
+    from pagecli.paths import models_dir
+
+    if prepare:
+        folder = source.prepare_default_model(progress=lambda msg: say(msg, style="dim"))
+        typer.echo(f"Default model ready: {folder}")
+        return
+    state = "ready" if source.is_default_model_prepared() else "not converted yet (first run converts it)"
+    typer.echo(f"default      {source.DEFAULT_MODEL_NAME} (embedded): {state}")
+    root = models_dir()
+    for folder in sorted(p for p in root.glob("*") if p.is_dir() and (p / "config.json").is_file()):
+        size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+        typer.echo(f"converted    {folder.name}  {size_mb:,.0f} MB  {folder}")
+    typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")

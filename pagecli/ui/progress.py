@@ -1,0 +1,56 @@
+"""Progress for batch generation: a Rich bar on a terminal, nothing but the summary elsewhere."""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pagecli.engine.stats import EngineStats
+
+
+def pool_text(stats: EngineStats) -> str:
+    return (f"pool: {stats.blocks_active} active, {stats.blocks_cached} cached, "
+            f"{stats.blocks_free} free of {stats.num_blocks}")
+
+
+class GenerateProgress:
+    """Requests done, output tokens/s and pool occupancy, refreshed as results arrive."""
+
+    def __init__(self, total: int, enabled: bool | None = None, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.enabled = self.console.is_terminal if enabled is None else enabled
+        self.total = total
+        self._progress = Progress(
+            TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+            TextColumn("[dim]{task.fields[pool]}"), TimeElapsedColumn(), console=self.console,
+            disable=not self.enabled,
+        )
+        self._task = self._progress.add_task("generate", total=total, rate="", pool="")
+
+    def __enter__(self) -> "GenerateProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._progress.stop()
+
+    def update(self, done: int, tokens_per_s: float, stats: EngineStats) -> None:
+        self._progress.update(self._task, completed=done, rate=f"{tokens_per_s:,.1f} tok/s", pool=pool_text(stats))
+
+
+def say(message: str, style: str = "") -> None:
+    """One line to stderr (plain text when stderr is not a terminal)."""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(message, style=style or None)
+
+
+def error_line(message: str) -> None:
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(f"Error: {message}", style="bold red", markup=False)
+
+
+def is_terminal() -> bool:
+    return sys.stdout.isatty()
