@@ -1,0 +1,1 @@
+"""Model sources, loading, and the lean decoder implementations."""

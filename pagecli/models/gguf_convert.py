@@ -1,0 +1,276 @@
+"""GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, chat template).
+
+Dequantization is exact (every quantized value becomes the float32 it stands for), and
+llama.cpp's reordering of the q/k projection rows is undone, so the folder loads in
+transformers and in pagecli's own decoders like any checkpoint from the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagecli.errors import ModelError
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# Bounds the float32 weights held in memory at once; the 135M default fits in one file.
+MAX_SHARD_BYTES = 2 * 1024**3
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+
+Progress = Callable[[str], None]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
+    """Write the HF folder for `gguf_path` into the existing, empty `out_dir`."""
+    say = progress or (lambda message: None)
+    say(f"Reading {gguf_path.name}")
+    reader = _open_reader(gguf_path)
+    metadata = _scalar_metadata(reader)
+    architecture = metadata.get("general.architecture")
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
+        raise ModelError(
+            f"GGUF file '{gguf_path}' holds a '{architecture}' model, but pagecli converts only "
+            f"these GGUF architectures: {supported}; pass a Hugging Face folder or hub id instead."
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = _llama_config(gguf_path, metadata, tensor_names, _token_count(reader))
+
+    say(f"Dequantizing {len(reader.tensors)} tensors to float32")
+    _write_weights(gguf_path, reader, config, out_dir)
+    say("Writing tokenizer and chat template")
+    _write_tokenizer(gguf_path, metadata, config, out_dir)
+    _write_configs(config, out_dir)
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order.
+
+    Within each head, llama.cpp interleaves the rows of the two rotary halves (row i of
+    the first half, then row i of the second) for its pairwise RoPE; Hugging Face keeps
+    the halves apart (rotate_half). `weight` is [num_heads * head_dim, in_features].
+    """
+    rows, in_features = weight.shape
+    half_head_dim = rows // num_heads // 2
+    # [num_heads, half_head_dim, 2, in] -> [num_heads, 2, half_head_dim, in]
+    split = weight.reshape(num_heads, half_head_dim, 2, in_features).swapaxes(1, 2)
+    return split.reshape(rows, in_features)
+
+
+def _open_reader(gguf_path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise ModelError(f"'{gguf_path}' is not a readable GGUF file ({error}).") from error
+
+
+def _scalar_metadata(reader: Any) -> dict[str, Any]:
+    """Every scalar and string field; arrays (token lists, merges) are left to the tokenizer."""
+    from gguf import GGUFValueType
+
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not field.types or not field.data:
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            continue
+        value = field.parts[field.data[0]]
+        if kind == GGUFValueType.STRING:
+            metadata[key] = bytes(value).decode("utf-8")
+        elif kind == GGUFValueType.FLOAT32:
+            # Shortest decimal that round-trips: 1e-05, not 9.999999747378752e-06.
+            metadata[key] = float(str(value[0]))
+        else:
+            metadata[key] = value[0].item()
+    return metadata
+
+
+def _token_count(reader: Any) -> int | None:
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    return len(field.data) if field is not None else None
+
+
+def _llama_config(
+    gguf_path: Path, metadata: dict[str, Any], tensor_names: set[str], token_count: int | None
+) -> dict[str, Any]:
+    """LlamaConfig keyword arguments from the `llama.*` and `tokenizer.ggml.*` fields."""
+
+    def need(key: str) -> Any:
+        if key not in metadata:
+            raise ModelError(f"GGUF file '{gguf_path}' lacks the '{key}' field; it cannot be converted.")
+        return metadata[key]
+
+    if metadata.get("llama.expert_count", 0):
+        raise ModelError(
+            f"GGUF file '{gguf_path}' holds a mixture-of-experts model, which pagecli does not run."
+        )
+    if "rope_freqs.weight" in tensor_names or metadata.get("llama.rope.scaling.type", "none") not in (
+        "none",
+        "linear",
+    ):
+        raise ModelError(
+            f"GGUF file '{gguf_path}' uses a RoPE scaling that pagecli cannot rebuild from GGUF; "
+            "pass the model's Hugging Face folder or hub id instead."
+        )
+
+    num_heads = need("llama.attention.head_count")
+    hidden_size = need("llama.embedding_length")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": metadata.get("llama.vocab_size", token_count),
+        "hidden_size": hidden_size,
+        "intermediate_size": need("llama.feed_forward_length"),
+        "num_hidden_layers": need("llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": metadata.get("llama.attention.head_count_kv", num_heads),
+        "head_dim": metadata.get("llama.attention.key_length", hidden_size // num_heads),
+        "max_position_embeddings": need("llama.context_length"),
+        "rms_norm_eps": need("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": metadata.get("llama.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_token_ids(metadata),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    if config["vocab_size"] is None:
+        raise ModelError(f"GGUF file '{gguf_path}' has no vocabulary; it cannot be converted.")
+    if metadata.get("llama.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": need("llama.rope.scaling.factor")}
+    return config
+
+
+def _eos_token_ids(metadata: dict[str, Any]) -> int | list[int] | None:
+    """End-of-sequence plus llama.cpp's end-of-turn/end-of-message tokens, the ids generation stops on."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids: list[int] = []
+    for key in keys:
+        token_id = metadata.get(key)
+        if token_id is not None and token_id not in ids:
+            ids.append(int(token_id))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSOR_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}"
+    return None
+
+
+def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array in HF layout) for every tensor, one at a time."""
+    from gguf import dequantize
+
+    for tensor in reader.tensors:
+        hf_name = _hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise ModelError(
+                f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain Llama model does "
+                "not have; pass the model's Hugging Face folder or hub id instead."
+            )
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as error:
+            raise ModelError(
+                f"GGUF file '{gguf_path}' uses the {tensor.tensor_type.name} quantization, which the "
+                "installed gguf package cannot dequantize; try `pip install -U gguf` or another quantization."
+            ) from error
+        # GGUF lists dimensions innermost first; HF is [out_features, in_features].
+        hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        weight = np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
+        if tensor.name.endswith("attn_q.weight"):
+            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+        yield hf_name, np.ascontiguousarray(weight)
+
+
+def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir: Path) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors plus an index past MAX_SHARD_BYTES."""
+    from safetensors.numpy import save_file
+
+    shard_sizes: list[int] = [0]
+    for tensor in reader.tensors:
+        tensor_bytes = int(tensor.n_elements) * 4
+        if shard_sizes[-1] and shard_sizes[-1] + tensor_bytes > MAX_SHARD_BYTES:
+            shard_sizes.append(0)
+        shard_sizes[-1] += tensor_bytes
+    num_shards = len(shard_sizes)
+
+    def shard_name(index: int) -> str:
+        return "model.safetensors" if num_shards == 1 else f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
+
+    weight_map: dict[str, str] = {}
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = 0
+    shard_index = 0
+    for hf_name, weight in _hf_tensors(gguf_path, reader, config):
+        if shard and shard_bytes + weight.nbytes > MAX_SHARD_BYTES:
+            save_file(shard, str(out_dir / shard_name(shard_index)), metadata={"format": "pt"})
+            shard, shard_bytes, shard_index = {}, 0, shard_index + 1
+        shard[hf_name] = weight
+        shard_bytes += weight.nbytes
+        weight_map[hf_name] = shard_name(shard_index)
+    save_file(shard, str(out_dir / shard_name(shard_index)), metadata={"format": "pt"})
+
+    if num_shards > 1:
+        index = {"metadata": {"total_size": sum(shard_sizes)}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelError(
+            f"transformers could not build a tokenizer from '{gguf_path}' ({error}); "
+            "pass the model's Hugging Face folder or hub id instead."
+        ) from error
+    chat_template = metadata.get("tokenizer.chat_template")
+    if chat_template and tokenizer.chat_template != chat_template:
+        tokenizer.chat_template = chat_template
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _write_configs(config: dict[str, Any], out_dir: Path) -> None:
+    from transformers import GenerationConfig, LlamaConfig
+
+    LlamaConfig(**config).save_pretrained(str(out_dir))
+    generation_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    GenerationConfig(**{key: value for key, value in generation_ids.items() if value is not None}).save_pretrained(
+        str(out_dir)
+    )
