@@ -59,5 +59,5 @@ def smollm2_dir(tmp_path_factory) -> Path:
         patch.setenv("PAGECLI_HOME", str(home))
         try:
             return prepare_default_model()
-        except ModelError as error:
-            pytest.skip(f"embedded model unavailable: {error}")
+        except ModelError as error:  # install.sh installs the wheel: its absence is a failure, not a skip
+            pytest.fail(f"embedded model unavailable: {error}")
