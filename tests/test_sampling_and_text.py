@@ -1,0 +1,57 @@
+"""Sampling filters, settings validation, and incremental detokenization of multi-byte text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagecli.config import SamplingParams
+from pagecli.engine.detokenizer import IncrementalDetokenizer
+from pagecli.engine.sampler import apply_repetition_penalty, filtered_probs
+from pagecli.errors import PagecliError
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    probs = filtered_probs(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [False, True, True, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert (probs > 0).tolist() == [True, True, False, False]
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.06, 0.04]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert (probs > 0).tolist() == [True, True, False, False]
+
+
+def test_repetition_penalty_lowers_seen_tokens_both_signs():
+    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), [0, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1), dict(top_p=2), dict(top_p=0), dict(max_tokens=0), dict(top_k=-1),
+    dict(min_p=1.5), dict(repetition_penalty=0),
+])
+def test_absurd_sampling_values_are_refused_with_a_sentence(bad):
+    with pytest.raises(PagecliError, match="must be"):
+        SamplingParams(**bad)
+
+
+def test_detokenizer_streams_multibyte_characters_whole(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    text = " Très bien, 日本語のテキスト 🚀 naïve"
+    ids = tokenizer(text)["input_ids"]
+    prompt = tokenizer("Hello world")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert sum(1 for d in deltas if d == "") > 0, "some tokens are partial characters and must wait"
