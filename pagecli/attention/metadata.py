@@ -7,7 +7,7 @@ decodes first (query length 1), then prefills (chunks of one or more tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,20 @@ class AttentionMetadata:
     # Host copies, so the torch backend never syncs with the device to read lengths.
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Per-step memo for backends that gather (torch): built once per step, reused by every layer.
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def context_slots(self, i: int, block_size: int) -> torch.Tensor:
+        """Flat cache slots of sequence i's whole context, in order: [seq_len] int64."""
+        slots = self._memo.get(i)
+        if slots is None:
+            seq_len = self.seq_lens_host[i]
+            num_blocks = -(-seq_len // block_size)
+            blocks = self.block_tables[i, :num_blocks].long()
+            offsets = torch.arange(block_size, device=blocks.device)
+            slots = (blocks.unsqueeze(1) * block_size + offsets).flatten()[:seq_len]
+            self._memo[i] = slots
+        return slots
 
     @property
     def num_seqs(self) -> int:

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from pagecli.attention.metadata import AttentionMetadata
-from pagecli.attention.reference import gather_context
 
 
 class TorchAttentionBackend:
@@ -47,11 +46,14 @@ class TorchAttentionBackend:
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         out = torch.empty_like(query)
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             q = query[start : start + q_len]
-            k = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            v = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            slots = meta.context_slots(i, k_cache.shape[1])
+            k = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            v = flat_v.index_select(0, slots).transpose(0, 1)
             if q_len == 1:
                 q_folded = q.view(num_kv_heads, group, head_dim)  # [kv_heads, group, head_dim]
                 o = F.scaled_dot_product_attention(q_folded, k, v, scale=scale)

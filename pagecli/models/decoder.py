@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
-from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, concat_linears
 from pagecli.models.spec import DecoderSpec
 
 
@@ -27,6 +27,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
+        self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.num_kv_heads * self.head_dim)
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj (checkpoint names, used for loading) by one qkv_proj."""
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -38,9 +45,10 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # one matmul for the three projections
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -71,6 +79,8 @@ class DecoderBody(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """The whole decoder. Built with checkpoint module names; call fuse_projections() after loading."""
+
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
@@ -78,6 +88,11 @@ class CausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+
+    def fuse_projections(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     @property
     def output_weight(self) -> torch.Tensor:

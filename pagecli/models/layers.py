@@ -65,6 +65,17 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
+def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of the given Linears' outputs."""
+    weight = torch.cat([lin.weight for lin in linears], dim=0)  # [sum(out_features), in_features]
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return fused
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -74,5 +85,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj (checkpoint names) by one gate_up_proj."""
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        self.intermediate = self.gate_proj.out_features
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)

@@ -80,6 +80,7 @@ def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_posi
     with torch.device("meta"):  # parameters get their real storage from the checkpoint
         model = CausalLM(spec, rotary)
     _load_weights(model, folder, torch_dtype, dev)
+    model.fuse_projections()
     model.eval()
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, spec, hf_config, tokenizer, folder, torch_dtype, dev, _eos_ids(folder, hf_config, tokenizer))
