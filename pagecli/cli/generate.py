@@ -10,7 +10,7 @@ from pagecli.cli.batch_io import BadLine, BatchRequest, ResultWriter, detect_for
 from pagecli.cli.options import RunSettings
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError
-from pagecli.ui.progress import GenerateProgress, say
+from pagecli.ui.progress import GenerateProgress, load_summary, say
 
 _NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
             "repetition_penalty": float}
@@ -61,6 +61,7 @@ def _generate(settings: RunSettings, items: list[BatchRequest | BadLine], writer
 
     say("Loading model ...", style="dim")
     engine = Engine(settings.model, settings.engine, progress=lambda msg: say(msg, style="dim"))
+    say(load_summary(engine.stats()), style="dim")
     return _drive(engine, settings, todo, writer, progress)
 
 
