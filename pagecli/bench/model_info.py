@@ -1,0 +1,102 @@
+"""The KV geometry of a named model, read from its config alone: no weights are loaded or converted.
+
+KV bytes per token = layers x KV heads x head dim x 2 (K and V) x dtype bytes, the same figure
+the engine sizes its blocks with (DecoderSpec.kv_bytes_per_token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from pagecli.errors import ModelError
+
+DEFAULT_MODEL_ALIASES = ("default",)
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    name: str
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    dtype_bytes: int
+    context_len: int  # the engine's default max_model_len for this model
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+
+def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
+    """KV geometry of MODEL ('default', a folder, a .gguf file or a hub id) in the dtype the engine would use."""
+    from pagecli.engine.engine import _DEFAULT_CONTEXT_CAP
+    from pagecli.models.loader import resolve_device, resolve_dtype
+    from pagecli.models.source import DEFAULT_MODEL_NAME
+    from pagecli.models.spec import DecoderSpec
+
+    hf_config = _hf_config(model)
+    spec = DecoderSpec.from_hf_config(hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
+    context = min(spec.max_position_embeddings, _DEFAULT_CONTEXT_CAP)
+    if spec.sliding_window:
+        context = min(context, spec.sliding_window)
+    return ModelKV(
+        name=f"{DEFAULT_MODEL_NAME} (embedded)" if model in DEFAULT_MODEL_ALIASES else model,
+        model_type=spec.model_type, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, dtype=str(torch_dtype).removeprefix("torch."), dtype_bytes=torch_dtype.itemsize,
+        context_len=context,
+    )
+
+
+def _hf_config(model: str) -> Any:
+    from pagecli.models import source
+    from pagecli.models.loader import load_hf_config
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return load_hf_config(path)
+    if model in DEFAULT_MODEL_ALIASES:
+        return _gguf_config(source.default_model_gguf())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_config(path)
+    if source.looks_like_hub_id(model):
+        return _hub_config(model)
+    raise ModelError(
+        f"Model '{model}' is neither a folder, a .gguf file, a hub id nor 'default'; "
+        "or leave out --model and give --kv-bytes-per-token."
+    )
+
+
+def _gguf_config(gguf_path: Path) -> Any:
+    """The config of a converted copy when there is one, else the one the converter would write."""
+    from pagecli.models import gguf_convert, source
+    from pagecli.models.loader import load_hf_config
+
+    converted = source.converted_folder_for(gguf_path)
+    if (converted / source.CONVERTED_MARKER).is_file():
+        return load_hf_config(converted)
+    reader = gguf_convert._open_reader(gguf_path)
+    metadata = gguf_convert._scalar_metadata(reader)
+    architecture = metadata.get("general.architecture")
+    if architecture not in gguf_convert.SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelError(f"GGUF file '{gguf_path}' holds a '{architecture}' model, which pagecli does not run.")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = gguf_convert._llama_config(gguf_path, metadata, tensor_names, gguf_convert._token_count(reader))
+    return SimpleNamespace(model_type="llama", **config)  # what DecoderSpec reads; no transformers import
+
+
+def _hub_config(repo_id: str) -> Any:
+    from transformers import AutoConfig
+
+    from pagecli.models.source import hub_offline
+
+    try:
+        return AutoConfig.from_pretrained(repo_id, local_files_only=hub_offline())
+    except (OSError, ValueError, KeyError) as exc:
+        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if hub_offline() else "the Hugging Face Hub"
+        raise ModelError(f"Cannot read the config of '{repo_id}' from {where}; pass a local model folder.") from exc

@@ -1,0 +1,299 @@
+"""`pagecli bench memory` (what paging saves, computed from lengths) and `pagecli bench run` (measured)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from pagecli.cli import app
+from pagecli.cli import options as o
+from pagecli.errors import PagecliError
+
+if TYPE_CHECKING:
+    from pagecli.bench.compare_hf import Comparison
+    from pagecli.bench.summary import RunTrace
+    from pagecli.bench.workloads import Workload
+    from pagecli.config import SamplingParams
+    from pagecli.engine import Engine
+
+bench_app = typer.Typer(
+    help="Memory report and measured runs: what paging saves over contiguous reservation, and how fast it goes.",
+    no_args_is_help=True, rich_markup_mode="rich",
+)
+app.add_typer(bench_app, name="bench")
+
+_DEFAULT_MAX_LEN = 4096
+_DEFAULT_HF_BATCH = 8
+
+JsonOpt = Annotated[Optional[str], typer.Option(
+    "--json", help="Also write the figures as JSON (schema: docs/bench-json.md); '-' writes stdout.", metavar="FILE")]
+
+
+# --- bench memory -----------------------------------------------------------------------------
+
+
+@bench_app.command("memory")
+def memory(
+    lengths: Annotated[str, typer.Option(
+        "--lengths", "-l", help="Request lengths in tokens: 800,2300,3900, a file of numbers, or a distribution "
+                                "uniform:MIN-MAX, normal:MEAN,STD, lognormal:MEDIAN,SIGMA (with --count, --seed).")]
+    = "uniform:20-4000",
+    count: Annotated[int, typer.Option("--count", "-c", help="Lengths to draw from a distribution.")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for drawn lengths.")] = 0,
+    max_len: Annotated[Optional[int], typer.Option(
+        "--max-len", help="Slots contiguous reservation gives every request "
+                          f"(default: the model's max_model_len, or {_DEFAULT_MAX_LEN} without a model).")] = None,
+    block_size: Annotated[str, typer.Option(
+        "--block-size", "-b", help="Tokens per block; several to compare: 8,16,32.")] = "16",
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="Read KV bytes per token from this model's config (folder, .gguf, hub id, or "
+                              "'default' for the embedded SmolLM2); no weights are loaded.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="KV dtype with --model: auto|float32|bfloat16|float16.")]
+    = "auto",
+    kv_bytes_per_token: Annotated[Optional[int], typer.Option(
+        "--kv-bytes-per-token", help="KV bytes per token when no --model is named.")] = None,
+    budget: Annotated[Optional[str], typer.Option(
+        "--budget", help="KV memory to fill, e.g. 8GiB or 500MB: how many requests fit under each scheme.")] = None,
+    shared_prefix: Annotated[int, typer.Option(
+        "--shared-prefix", help="Tokens at the start of every request that are the same (a system prompt).")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """What paging saves over contiguous reservation, from request lengths alone (no model run)."""
+    from pagecli.bench.json_output import memory_document, write_json
+    from pagecli.bench.lengths import parse_lengths
+    from pagecli.bench.memory import memory_report
+    from pagecli.bench.units import parse_size
+    from pagecli.ui.report import memory_view, print_view
+
+    if model and kv_bytes_per_token is not None:
+        raise PagecliError("Give --model or --kv-bytes-per-token, not both.")
+    model_kv = None
+    if model:
+        from pagecli.bench.model_info import model_kv as read_model_kv
+
+        model_kv = read_model_kv(model, dtype)
+        kv_bytes_per_token = model_kv.kv_bytes_per_token
+    max_len = max_len or (model_kv.context_len if model_kv else _DEFAULT_MAX_LEN)
+    report = memory_report(
+        parse_lengths(lengths, count, seed, max_len), max_len, _block_sizes(block_size), shared_prefix,
+        kv_bytes_per_token, parse_size(budget) if budget else None,
+    )
+    print_view(memory_view(report, model_kv), _console(json_path))
+    if json_path:
+        write_json(memory_document(report, model_kv), json_path)
+
+
+def _block_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PagecliError(f"--block-size takes whole numbers separated by commas, like 8,16,32 (got '{text}').") \
+            from None
+    if not sizes:
+        raise PagecliError("--block-size needs at least one block size.")
+    return sizes
+
+
+def _console(json_path: str | None) -> Console:
+    """Tables go to stdout, or to stderr when the JSON goes to stdout."""
+    return Console(stderr=json_path == "-", highlight=False)
+
+
+# --- bench run --------------------------------------------------------------------------------
+
+
+@bench_app.command("run")
+def run(
+    workload: Annotated[str, typer.Argument(
+        help="Built-in workload (mixed, shared-prefix, chat) or a file in generate's format (JSONL or text).")]
+    = "mixed",
+    count: Annotated[Optional[int], typer.Option(
+        "--count", "-c", help="Requests to run (chat: turns); default: mixed 64, shared-prefix 32, chat 8 "
+                              "(on CPU: 8, 8, 4), a file: all.")] = None,
+    workload_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the built-in workloads' text.")] = 0,
+    json_path: JsonOpt = None,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", help="Draw active/cached/free blocks over time into a PNG (needs matplotlib).",
+        metavar="FILE.png")] = None,
+    compare: Annotated[Optional[str], typer.Option(
+        "--compare", help="Also run the same requests through another implementation: hf (transformers generate).")]
+    = None,
+    hf_batch_size: Annotated[int, typer.Option(
+        "--hf-batch-size", help="Requests per transformers generate call with --compare hf.")] = _DEFAULT_HF_BATCH,
+    warmup: Annotated[bool, typer.Option(
+        "--warmup/--no-warmup", help="Run one tiny request first, so one-time costs do not count.")] = True,
+    progress: Annotated[Optional[bool], typer.Option(
+        "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
+    model: o.ModelOpt = None, profile: o.ProfileOpt = None, dtype: o.DtypeOpt = None,
+    attention: o.AttentionOpt = None, device: o.DeviceOpt = None, block_size: o.BlockSizeOpt = None,
+    kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None, max_num_seqs: o.MaxSeqsOpt = None,
+    max_num_batched_tokens: o.MaxBatchedOpt = None, max_model_len: o.MaxLenOpt = None,
+    no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
+    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
+    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
+    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
+) -> None:
+    """Run a workload on the engine and report pool occupancy, fragmentation, prefix hits and speed.
+
+    Decoding is greedy unless --temperature is given. --max-tokens sets every request's output length
+    (on CPU, built-in workloads default to 16).
+    """
+    from pagecli.bench.plot import require_matplotlib
+
+    if compare not in (None, "hf"):
+        raise PagecliError(f"--compare takes 'hf' (transformers generate), got '{compare}'.")
+    if hf_batch_size < 1:
+        raise PagecliError("--hf-batch-size must be at least 1.")
+    if plot:
+        require_matplotlib()
+    settings = o.build_settings(
+        model, profile,
+        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
+             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads),
+        dict(max_tokens=max_tokens, temperature=0.0 if temperature is None else temperature, top_p=top_p,
+             top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+             ignore_eos=ignore_eos),
+    )
+    count, max_tokens = _cpu_size(workload, settings, count, max_tokens)
+    chosen = load_workload(workload, settings.sampling, count, max_tokens, workload_seed)
+    if compare:
+        check_comparable(chosen)
+    run_bench(settings, chosen, json_path=json_path, plot=plot, compare=compare, hf_batch_size=hf_batch_size,
+              warmup=warmup, progress=progress)
+
+
+bench_app.command("throughput", hidden=True, help="Same as `bench run`.")(run)
+
+
+def _cpu_size(workload: str, settings: o.RunSettings, count: int | None,
+              max_tokens: int | None) -> tuple[int | None, int | None]:
+    """On a CPU, built-in workloads run a smaller size unless --count / --max-tokens say otherwise."""
+    from pagecli.bench.workloads import BUILTIN_WORKLOADS, CPU_MAX_TOKENS
+    from pagecli.models.loader import resolve_device
+    from pagecli.ui.progress import say
+
+    shape = BUILTIN_WORKLOADS.get(workload)
+    if shape is None or (count is not None and max_tokens is not None):
+        return count, max_tokens
+    if resolve_device(settings.engine.device).type != "cpu":
+        return count, max_tokens
+    count = shape.cpu_count if count is None else count
+    max_tokens = CPU_MAX_TOKENS if max_tokens is None else max_tokens
+    say(f"On CPU: {count} of {workload}'s {shape.default_count} requests, {max_tokens} output tokens each "
+        "(--count and --max-tokens choose).", style="dim")
+    return count, max_tokens
+
+
+def load_workload(name: str, base: SamplingParams, count: int | None, max_tokens: int | None,
+                  seed: int) -> Workload:
+    from pathlib import Path
+
+    from pagecli.bench.workloads import BUILTIN_WORKLOADS, builtin_workload
+
+    if name in BUILTIN_WORKLOADS:
+        return builtin_workload(name, base, count, max_tokens, seed)
+    if Path(name).is_file():
+        return file_workload(name, base, count, max_tokens)
+    raise PagecliError(
+        f"'{name}' is neither a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) nor a file; "
+        "pass one of those names or a JSONL/text file in generate's format."
+    )
+
+
+def file_workload(path: str, base: SamplingParams, count: int | None, max_tokens: int | None) -> Workload:
+    """A JSONL or text file in `pagecli generate`'s format; its lines' sampling fields apply, but --max-tokens wins."""
+    from dataclasses import replace
+
+    from pagecli.bench.workloads import BenchRequest, Workload
+    from pagecli.cli.batch_io import BadLine, detect_format, parse_requests, read_input
+    from pagecli.cli.generate import line_sampling
+
+    lines = read_input(path)
+    items = list(parse_requests(lines, detect_format(path, lines, "auto")))[:count]
+    for item in items:
+        if isinstance(item, BadLine):
+            raise PagecliError(f"{item.error} in '{path}'; fix the line or leave it out of the benchmark.")
+    ids = [item.request_id for item in items]
+    unique = len(set(ids)) == len(ids)
+    requests = []
+    for item in items:
+        sampling = line_sampling(base, item.sampling, item.line)  # type: ignore[union-attr]
+        if max_tokens:
+            sampling = replace(sampling, max_tokens=max_tokens)
+        prompt = item.prompt if isinstance(item.prompt, str) else tuple(item.prompt)  # type: ignore[union-attr]
+        requests.append(BenchRequest(item.request_id if unique else f"line-{item.line}", prompt, sampling))
+    if not requests:
+        raise PagecliError(f"'{path}' holds no requests.")
+    return Workload(path, tuple(requests))
+
+
+def check_comparable(workload: Workload) -> None:
+    """--compare hf checks that both produce the same greedy tokens; settings that break that are refused."""
+    for request in workload.requests:
+        s = request.sampling
+        if s.temperature != 0:
+            raise PagecliError(f"--compare hf compares greedy outputs, but request '{request.request_id}' samples "
+                               f"at temperature {s.temperature}; leave out --temperature (bench is greedy by default).")
+        if s.stop or s.repetition_penalty != 1.0:
+            raise PagecliError(f"--compare hf needs plain greedy decoding; request '{request.request_id}' sets stop "
+                               "strings or a repetition penalty.")
+
+
+def run_bench(settings: o.RunSettings, workload: Workload, json_path: str | None = None, plot: str | None = None,
+              compare: str | None = None, hf_batch_size: int = _DEFAULT_HF_BATCH, warmup: bool = True,
+              progress: bool | None = None) -> None:
+    from pagecli.bench.json_output import run_document, write_json
+    from pagecli.bench.run import run_workload
+    from pagecli.bench.summary import summarize
+    from pagecli.engine import Engine
+    from pagecli.ui.progress import GenerateProgress, say
+    from pagecli.ui.report import comparison_view, print_view, run_view
+
+    say("Loading model ...", style="dim")
+    with Engine(settings.model, settings.engine, progress=lambda message: say(message, style="dim")) as engine:
+        label = engine.model_name
+        with GenerateProgress(len(workload.requests), progress) as bar:
+            trace = run_workload(engine, workload, label, warmup=warmup, on_progress=bar.update)
+        for warning in engine.take_warnings():
+            say(warning, style="yellow")
+        summary = summarize(trace)
+        comparison = _compare_hf(engine, workload, trace, hf_batch_size) if compare else None
+    after = trace.after
+    timeline = {state: [getattr(s.stats, f"blocks_{state}") for s in trace.samples]
+                for state in ("active", "cached", "free", "shared")}
+    console = _console(json_path)
+    print_view(run_view(summary, timeline, after.num_blocks, after.block_size, after.kv_bytes_per_block,
+                        after.max_model_len, after.device, after.dtype, after.attention_backend), console)
+    if comparison is not None:
+        print_view(comparison_view(summary, comparison), console)
+    if json_path:
+        write_json(run_document(summary, trace, comparison), json_path)
+    if plot:
+        from pagecli.bench.plot import plot_occupancy
+
+        plot_occupancy(plot, [s.time_s for s in trace.samples], timeline["active"], timeline["cached"],
+                       timeline["free"], f"pagecli bench run {workload.name}: KV blocks ({label})")
+        say(f"Plot written to {plot}", style="dim")
+
+
+def _compare_hf(engine: Engine, workload: Workload, trace: RunTrace, batch_size: int) -> Comparison:
+    from pagecli.bench.compare_hf import HFJob, HFRequest, comparison, run_in_subprocess
+    from pagecli.ui.progress import say
+
+    sampling = {r.request_id: r.sampling for r in workload.requests}
+    job = HFJob(
+        model_folder=str(engine.loaded.folder), dtype=str(engine.loaded.dtype).removeprefix("torch."),
+        device=str(engine.loaded.device),
+        threads=engine.config.threads, batch_size=batch_size, stop_token_ids=tuple(sorted(engine.stop_token_ids)),
+        requests=tuple(
+            HFRequest(out.request_id, out.prompt_token_ids, out.max_tokens, sampling[out.request_id].ignore_eos,
+                      out.wave)
+            for out in trace.outcomes
+        ),
+    )
+    say(f"Running the same {len(job.requests)} requests through transformers generate ...", style="dim")
+    hf = run_in_subprocess(job)
+    return comparison({out.request_id: out.output_token_ids for out in trace.outcomes}, hf)
