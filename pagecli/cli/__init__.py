@@ -98,7 +98,7 @@ def _register_optional_commands() -> None:
     """Commands that live in their own modules (each registers on `app`)."""
     import importlib
 
-    for module in ("pagecli.cli.models_cmd", "pagecli.cli.bench"):
+    for module in ("pagecli.cli.models_cmd", "pagecli.cli.chat", "pagecli.cli.bench"):
         importlib.import_module(module)
 
 

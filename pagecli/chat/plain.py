@@ -1,0 +1,96 @@
+"""The plain chat view for pipes and scripts: replies as text on stdout, or one JSON record per turn.
+
+No colours, no live panel. Notices go to stderr so stdout holds only replies (text mode) or
+records (JSONL mode: turns, errors and /stats, each one line).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO
+
+from pagecli.chat.controller import LiveStatus, TurnRecord
+from pagecli.chat.conversation import Conversation
+from pagecli.chat.turn import TurnStats
+from pagecli.engine.stats import EngineStats
+
+
+def turn_record(record: TurnRecord) -> dict[str, Any]:
+    """The JSONL record of a turn: the texts, the turn's figures and the engine snapshot after it."""
+    result = record.result
+    return {
+        "turn": record.number, "user": record.user, "reply": result.text, "finish_reason": result.finish_reason,
+        **result.stats.to_dict(), "dropped_turns": record.dropped_turns, "stats": result.engine_stats.to_dict(),
+    }
+
+
+def input_lines(stream: Iterable[str]) -> Iterator[str]:
+    """One user message per line, without its line ending; blank lines are skipped."""
+    for line in stream:
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield text
+
+
+class PlainView:
+    def __init__(self, out: TextIO, err: TextIO, jsonl: bool = False) -> None:
+        self.out = out
+        self.err = err
+        self.jsonl = jsonl
+
+    def _record(self, data: dict[str, Any]) -> None:
+        self.out.write(json.dumps(data, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+    def _err_line(self, message: str) -> None:
+        self.err.write(message + "\n")
+        self.err.flush()
+
+    def notice(self, message: str) -> None:
+        self._err_line(message)
+
+    def problem(self, message: str) -> None:
+        if self.jsonl:
+            self._record({"error": message})
+        else:
+            self._err_line(f"Error: {message}")
+
+    def begin_reply(self, live_status: LiveStatus) -> None:
+        pass
+
+    def reply_text(self, delta: str) -> None:
+        if not self.jsonl:
+            self.out.write(delta)
+            self.out.flush()
+
+    def refresh(self) -> None:
+        pass
+
+    def end_reply(self, record: TurnRecord | None) -> None:
+        if self.jsonl:
+            if record is not None:
+                self._record(turn_record(record))
+            return
+        if record is not None:
+            self.out.write("\n")
+            self.out.flush()
+            if record.result.finish_reason == "abort":
+                self._err_line("[stopped]")
+
+    def show_help(self, rows: list[tuple[str, str]]) -> None:
+        for usage, what in rows:
+            self._err_line(f"{usage:24} {what}")
+
+    def show_stats(self, stats: EngineStats) -> None:
+        if self.jsonl:
+            self._record({"stats": stats.to_dict()})
+            return
+        for key, value in stats.to_dict().items():
+            self._err_line(f"{key}: {value}")
+
+    def toggle_pool(self, stats: EngineStats, turn: TurnStats | None) -> None:
+        self.notice("The pool panel shows only on a terminal; /stats prints the same figures.")
+
+    def show_transcript(self, conversation: Conversation) -> None:
+        pass

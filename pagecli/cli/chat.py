@@ -1,0 +1,159 @@
+"""`pagecli chat`: multi-turn chat with streaming replies, prefix reuse across turns and a live
+block-pool panel on a terminal; plain text or JSONL lines when stdin/stdout is not a terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional, TextIO
+
+import typer
+
+from pagecli.cli import app
+from pagecli.cli import options as o
+from pagecli.errors import PagecliError
+
+if TYPE_CHECKING:
+    from pagecli.chat.controller import ChatOptions
+    from pagecli.chat.conversation import Conversation
+    from pagecli.chat.session import SessionInfo
+    from pagecli.engine import Engine
+
+_DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded)"
+
+ModelArg = Annotated[Optional[str], typer.Argument(
+    show_default=False, help="Local HF folder, hub id or .gguf file (same as --model).")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
+SessionOpt = Annotated[Optional[str], typer.Option(
+    "--session", help="Start a session saved under NAME after every turn.", metavar="NAME")]
+ResumeOpt = Annotated[Optional[str], typer.Option(
+    "--resume", help="Continue the saved session NAME (and keep saving it).", metavar="NAME")]
+ListSessionsOpt = Annotated[bool, typer.Option("--list-sessions", help="List saved sessions and exit.")]
+InputOpt = Annotated[Optional[str], typer.Option(
+    "--input", "-i", help="Read user messages from FILE, one per line (plain mode).", metavar="FILE")]
+JsonlOpt = Annotated[bool, typer.Option(
+    "--jsonl", help="Plain mode writing one JSON record per turn: reply and the turn's stats.")]
+NoTruncateOpt = Annotated[bool, typer.Option(
+    "--no-truncate", help="When the conversation outgrows max_model_len, refuse the message instead of "
+                          "dropping the oldest turns.")]
+NoPoolOpt = Annotated[bool, typer.Option("--no-pool", help="Start with the block-pool panel hidden (/pool).")]
+
+
+@app.command()
+def chat(
+    model_arg: ModelArg = None, model: o.ModelOpt = None, profile: o.ProfileOpt = None,
+    system: SystemOpt = None, session: SessionOpt = None, resume: ResumeOpt = None,
+    list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
+    no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False,
+    dtype: o.DtypeOpt = None, attention: o.AttentionOpt = None, device: o.DeviceOpt = None,
+    block_size: o.BlockSizeOpt = None, kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None,
+    max_num_seqs: o.MaxSeqsOpt = None, max_num_batched_tokens: o.MaxBatchedOpt = None,
+    max_model_len: o.MaxLenOpt = None, no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
+    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
+    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
+    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
+) -> None:
+    """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
+    from pagecli.chat import session as sessions
+
+    if list_sessions:
+        _print_sessions(sessions.list_sessions())
+        return
+    if model_arg and model and model_arg != model:
+        raise PagecliError(f"Two models given ('{model_arg}' and --model '{model}'); pass one.")
+    settings = o.build_settings(
+        model_arg or model, profile,
+        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
+             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads),
+        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
+    )
+    code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
+                    truncate=not no_truncate, pool_visible=not no_pool)
+    if code:
+        raise typer.Exit(code)
+
+
+def _print_sessions(infos: list[SessionInfo]) -> None:
+    if not infos:
+        typer.echo("No saved sessions; `pagecli chat --session NAME` starts one.")
+        return
+    for info in infos:
+        typer.echo(f"{info.name:24} {info.turns:4} turns  {info.updated:25}  {info.model or _DEFAULT_MODEL_LABEL}")
+
+
+def run_chat(settings: o.RunSettings, system: str | None, session: str | None, resume: str | None,
+             input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool) -> int:
+    """Load the model, then chat on the screen or in plain mode; returns the exit code."""
+    from pagecli.chat import session as sessions
+    from pagecli.chat.controller import ChatOptions
+    from pagecli.chat.conversation import Conversation
+    from pagecli.ui.progress import say
+
+    if session and resume:
+        raise PagecliError("Pass --session NAME to start a saved session or --resume NAME to continue one, not both.")
+    if session and sessions.session_exists(session):
+        raise PagecliError(f"A session named '{session}' exists; continue it with --resume {session}, or pick "
+                           "another name.")
+    conversation = sessions.load_session(resume)[0] if resume else Conversation()
+    if system is not None and system != conversation.system:
+        conversation.set_system(system)
+    source = _open_input(input_path)
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # a stray byte in typed or piped text is not worth a failure
+    plain = jsonl or input_path is not None or not (sys.stdin.isatty() and sys.stdout.isatty())
+
+    from pagecli.engine import Engine
+
+    say("Loading model ...", style="dim")
+    engine = Engine(settings.model, settings.engine)
+    options = ChatOptions(truncate=truncate, session_name=session or resume, autosave=bool(session or resume),
+                          model_name=settings.model)
+    try:
+        if plain:
+            return _run_plain(engine, settings, conversation, options, source, jsonl)
+        return _run_screen(engine, settings, conversation, options, pool_visible)
+    finally:
+        close = getattr(engine, "close", None)  # finishes the disk prefix store's pending writes
+        if close is not None:
+            close()
+
+
+def _open_input(input_path: str | None) -> TextIO:
+    if input_path is None or input_path == "-":
+        return sys.stdin
+    try:
+        return open(input_path, encoding="utf-8", errors="replace")  # noqa: SIM115 - read lazily by the loop
+    except OSError as exc:
+        raise PagecliError(f"Cannot read '{input_path}': {exc.strerror or exc}.") from exc
+
+
+def _run_plain(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
+               source: TextIO, jsonl: bool) -> int:
+    from pagecli.chat.controller import ChatController
+    from pagecli.chat.plain import PlainView, input_lines
+
+    controller = ChatController(engine, settings.sampling, PlainView(sys.stdout, sys.stderr, jsonl),
+                                conversation, options)
+    try:
+        controller.run(input_lines(source))
+    finally:
+        if source is not sys.stdin:
+            source.close()
+    return 1 if controller.problems else 0
+
+
+def _run_screen(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
+                pool_visible: bool) -> int:
+    from pagecli.chat.controller import ChatController
+    from pagecli.paths import data_dir
+    from pagecli.ui.chat_screen import ChatScreen
+
+    screen = ChatScreen(pool_visible=pool_visible, history_file=Path(data_dir()) / "chat_history")
+    screen.welcome(settings.model or _DEFAULT_MODEL_LABEL, engine.stats(), options.session_name)
+    if conversation.turns:
+        screen.show_transcript(conversation)
+    ChatController(engine, settings.sampling, screen, conversation, options).run(screen.lines())
+    return 0
