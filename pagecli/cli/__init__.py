@@ -62,6 +62,7 @@ def generate(
     kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None, max_num_seqs: o.MaxSeqsOpt = None,
     max_num_batched_tokens: o.MaxBatchedOpt = None, max_model_len: o.MaxLenOpt = None,
     no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
+    disk_cache: o.DiskCacheOpt = None, cache_prefix: o.CachePrefixOpt = None,
     max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
     top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
     seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
@@ -75,7 +76,8 @@ def generate(
         model, profile,
         dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
              num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads),
+             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads,
+             disk_cache=disk_cache, disk_cache_all_prompts=cache_prefix),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
              repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
     )
@@ -98,7 +100,7 @@ def _register_optional_commands() -> None:
     """Commands that live in their own modules (each registers on `app`)."""
     import importlib
 
-    for module in ("pagecli.cli.models_cmd", "pagecli.cli.chat", "pagecli.cli.bench"):
+    for module in ("pagecli.cli.models_cmd", "pagecli.cli.chat", "pagecli.cli.bench", "pagecli.cli.cache_cmd"):
         importlib.import_module(module)
 
 

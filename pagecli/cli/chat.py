@@ -50,6 +50,7 @@ def chat(
     block_size: o.BlockSizeOpt = None, kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None,
     max_num_seqs: o.MaxSeqsOpt = None, max_num_batched_tokens: o.MaxBatchedOpt = None,
     max_model_len: o.MaxLenOpt = None, no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
+    disk_cache: o.DiskCacheOpt = None,
     max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
     top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
     seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
@@ -66,7 +67,8 @@ def chat(
         model_arg or model, profile,
         dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
              num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads),
+             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads,
+             disk_cache=disk_cache),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
              repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
     )

@@ -62,7 +62,12 @@ def _generate(settings: RunSettings, items: list[BatchRequest | BadLine], writer
     say("Loading model ...", style="dim")
     engine = Engine(settings.model, settings.engine, progress=lambda msg: say(msg, style="dim"))
     say(load_summary(engine.stats()), style="dim")
-    return _drive(engine, settings, todo, writer, progress)
+    try:
+        return _drive(engine, settings, todo, writer, progress)
+    finally:
+        engine.close()  # waits for pending disk-store writes
+        for warning in engine.take_warnings():
+            say(f"Warning: {warning}", style="yellow")
 
 
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
@@ -123,5 +128,6 @@ def _summary(engine: Any, total: int, errors: int, tokens: int, elapsed_s: float
     say(
         f"Done: {total - errors} completions, {errors} errors; {tokens} tokens in {elapsed_s:.1f} s "
         f"({tokens / max(elapsed_s, 1e-9):.1f} tok/s); prefix cache served {stats.prefix_hit_rate:.0%} of prompt "
-        f"tokens; {stats.num_preemptions} preemptions."
+        f"tokens ({stats.prefix_disk_hit_tokens / max(stats.prefix_query_tokens, 1):.0%} from disk); "
+        f"{stats.num_preemptions} preemptions."
     )

@@ -41,6 +41,12 @@ NoPrefixOpt = Annotated[bool, typer.Option(
     "--no-prefix-caching", help="Recompute every prompt instead of reusing cached blocks.", rich_help_panel=ENGINE)]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE)]
+DiskCacheOpt = Annotated[Optional[bool], typer.Option(
+    "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).",
+    rich_help_panel=ENGINE)]
+CachePrefixOpt = Annotated[Optional[bool], typer.Option(
+    "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
+                           "shared by two or more requests.", rich_help_panel=ENGINE)]
 
 MaxTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-tokens", "-n", help="Most new tokens per request.", rich_help_panel=SAMPLING)]

@@ -35,6 +35,10 @@ class EngineConfig:
     device: str = "auto"
     enable_prefix_caching: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
+    disk_cache: bool = True  # the disk prefix store (tier 2); needs enable_prefix_caching
+    disk_cache_dir: str | None = None  # default: PAGECLI_CACHE_DIR, else the user cache dir's prefix/
+    disk_cache_max_gib: float = 2.0  # store size cap: least recently used chain tails are pruned past it
+    disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
@@ -51,6 +55,9 @@ class EngineConfig:
         )
         _require(self.device in DEVICE_CHOICES, f"device must be one of {', '.join(DEVICE_CHOICES)}.")
         _require(self.threads is None or self.threads >= 1, "threads must be at least 1.")
+        _require(self.disk_cache_max_gib > 0, f"disk_cache_max_gib must be positive (got {self.disk_cache_max_gib}).")
+        _require(self.disk_cache_dir is None or bool(self.disk_cache_dir.strip()),
+                 "disk_cache_dir must name a directory (or be left out for the default).")
 
 
 @dataclass(frozen=True)

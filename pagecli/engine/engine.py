@@ -2,13 +2,15 @@
 
 `add_request` tokenizes and queues; `step` runs one scheduled forward pass and returns the
 events it produced; `stream` and `generate` loop over steps. Everything a caller may want
-to show (pool occupancy, prefix hits, preemptions) comes from `stats()`.
+to show (pool occupancy, prefix hits, preemptions) comes from `stats()`. With the disk
+prefix store on, `persist_prefix` keeps blocks across processes; `close` waits for its writes.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,9 @@ from pagecli.engine.stats import EngineStats
 from pagecli.errors import PagecliError
 from pagecli.models.fingerprint import model_fingerprint
 from pagecli.models.loader import LoadedModel, load_model
+from pagecli.store.blobs import BlockGeometry
+from pagecli.store.files import resolve_store_dir
+from pagecli.store.tier import DiskTier
 
 Prompt = str | list[dict[str, Any]] | list[int]
 _DEFAULT_CONTEXT_CAP = 8192
@@ -79,12 +84,14 @@ class Engine:
         if config is not None and config.threads:
             torch.set_num_threads(config.threads)
         if loaded is None:
-            from pagecli.models.source import resolve_model
+            from pagecli.models.source import DEFAULT_MODEL_NAME, resolve_model
 
             folder = resolve_model(model, progress)
             loaded = load_model(folder, self.config.dtype, self.config.device,
                                 max_positions=self._context_cap_for(folder))
+            model = model or DEFAULT_MODEL_NAME
         self.loaded = loaded
+        self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
         self.backend = select_backend(self.config.attention, loaded.device)
@@ -96,9 +103,11 @@ class Engine:
             loaded.folder, self.chat_template, str(loaded.dtype).removeprefix("torch."), self.config.block_size
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint))
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded, self.backend, num_blocks, self.config.block_size)
+        self._warnings: list[str] = []
+        self.disk = self._open_disk_tier()
+        self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -140,6 +149,18 @@ class Engine:
         if num_blocks < 1:
             raise PagecliError("The KV memory budget holds no block at all; raise kv_budget_gib or gpu_memory_fraction.")
         return num_blocks
+
+    def _open_disk_tier(self) -> DiskTier | None:
+        if not (self.config.disk_cache and self.config.enable_prefix_caching):
+            return None
+        spec = self.loaded.spec
+        geometry = BlockGeometry(spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim,
+                                 self.loaded.dtype)
+        return DiskTier.open(
+            resolve_store_dir(self.config.disk_cache_dir), self.fingerprint, self.model_name, geometry,
+            int(self.config.disk_cache_max_gib * (1 << 30)), self.runner.copy_blocks_in,
+            self.runner.copy_blocks_out, self._warnings,
+        )
 
     def _stop_token_ids(self) -> frozenset[int]:
         ids = set(self.loaded.eos_token_ids)
@@ -229,8 +250,19 @@ class Engine:
             elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_model_len:
                 reason = "length"
         if reason is not None:
+            self._persist_finished_prompt(seq)
             self.scheduler.finish(seq, reason)
         return self._event(req, token_id, reason)
+
+    def _persist_finished_prompt(self, seq: Sequence) -> None:
+        """The automatic write policy: when a request finishes, the prompt blocks it found cached
+        (so two or more requests used them), or all its prompt blocks with disk_cache_all_prompts."""
+        if self.disk is None:
+            return
+        if self.config.disk_cache_all_prompts:
+            self.persist_prefix(seq.prompt_token_ids)
+        elif seq.num_cached_tokens:
+            self.persist_prefix(seq.prompt_token_ids[: seq.num_cached_tokens])
 
     def _event(self, req: _Request, token_id: int, reason: str | None) -> RequestEvent:
         seq = req.seq
@@ -272,6 +304,43 @@ class Engine:
                 )
         return [done[i] for i in ids]
 
+    # --- disk prefix store ----------------------------------------------------------------------
+    def persist_prefix(self, token_ids: SequenceOf[int]) -> int:
+        """Keep the full blocks of token_ids that the pool holds in the disk prefix store.
+
+        Chat calls this at the end of each turn with the conversation's ids so far (prompt and
+        reply), so a later process (`chat --resume`) prefills only the new message. The KV is
+        copied out here; serializing and writing happen on a background thread. Blocks the
+        store already has are skipped. Returns how many blocks were queued (0 without a store).
+        """
+        if self.disk is None:
+            return 0
+        return self.disk.persist(self.kv.cached_prefix(token_ids))
+
+    def flush_disk_writes(self) -> None:
+        """Wait until every queued disk store write has finished."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def take_warnings(self) -> list[str]:
+        """Warnings since the last call (a corrupt store entry, a store turned off), each reported once."""
+        taken = list(self._warnings)
+        del self._warnings[: len(taken)]
+        return taken
+
+    def close(self) -> None:
+        """Finish pending disk store writes and release the store. Also happens at interpreter exit."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+            self.kv.slower_tier = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # --- observation ----------------------------------------------------------------------------
     def stats(self, include_block_states: bool = False) -> EngineStats:
         counts = self.pool.counts()
@@ -285,7 +354,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
             prompt_tokens_computed=self._prompt_tokens_computed, tokens_generated=self._tokens_generated,
             prefix_query_tokens=self.kv.prefix_query_tokens, prefix_hit_tokens=self.kv.prefix_hit_tokens,
-            prefix_disk_hit_tokens=0, evictions=self.pool.evictions,
+            prefix_disk_hit_tokens=self.kv.prefix_disk_hit_tokens, evictions=self.pool.evictions,
             device=str(self.loaded.device), dtype=str(self.loaded.dtype).removeprefix("torch."),
             attention_backend=self.backend.name, max_model_len=self.max_model_len,
             block_states=tuple(self.pool.block_states()) if include_block_states else None,

@@ -2,24 +2,55 @@
 
 Sits between sequences and the BlockPool. A sequence's first `len(block_hashes)` blocks are
 full, hashed and findable; the blocks after them are private to it. Blocks are released
-tail first, so a chain's tail is evicted before its head.
+tail first, so a chain's tail is evicted before its head. A prefix match that runs out of
+pool hits continues in an optional slower tier (the disk store), whose hits are loaded into
+fresh pool blocks and registered there, so they are memory hits from then on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.hashing import block_hash
 from pagecli.engine.sequence import Sequence
 
 
+class PrefixTier(Protocol):
+    """A slower tier behind the pool that a prefix match continues into (the disk store)."""
+
+    def find_run(self, hashes: list[bytes], token_blocks: list[list[int]]) -> SequenceOf[Any]:
+        """The tier's entries for the longest leading run of these blocks it holds, tokens verified."""
+        ...
+
+    def load_run(self, run: SequenceOf[Any], block_ids: list[int]) -> int:
+        """Write the run's KV into these pool blocks in one batched copy; returns how many leading blocks loaded."""
+        ...
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """A full block the pool holds under its chained hash: what the disk tier needs to persist it."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    depth: int  # position in the chain: block `depth` holds tokens [depth * block_size, (depth + 1) * block_size)
+    token_ids: tuple[int, ...]
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, root_hash: bytes) -> None:
+    def __init__(self, pool: BlockPool, root_hash: bytes, slower_tier: PrefixTier | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.root_hash = root_hash
-        # Prefix-cache counters, in tokens (memory tier).
+        self.slower_tier = slower_tier if pool.enable_prefix_caching else None
+        # Prefix-cache counters, in tokens: asked for, served by the pool, served by the slower tier.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_disk_hit_tokens = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -43,11 +74,53 @@ class KVCacheManager:
             seq.block_table.append(block.block_id)
             seq.block_hashes.append(h)
             parent = h
+        memory_hit_tokens = len(seq.block_table) * self.block_size
+        if self.slower_tier is not None and len(seq.block_table) < max_full_blocks:
+            self._continue_in_slower_tier(seq, parent, max_full_blocks)
         hit_tokens = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = hit_tokens
         self.prefix_query_tokens += seq.num_tokens
-        self.prefix_hit_tokens += hit_tokens
+        self.prefix_hit_tokens += memory_hit_tokens
+        self.prefix_disk_hit_tokens += hit_tokens - memory_hit_tokens
         return hit_tokens
+
+    def _continue_in_slower_tier(self, seq: Sequence, parent: bytes, max_full_blocks: int) -> None:
+        """Load the tier's run of seq's next blocks into fresh pool blocks and register them."""
+        assert self.slower_tier is not None
+        start = len(seq.block_table)
+        token_blocks = [seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+                        for i in range(start, max_full_blocks)]
+        hashes = []
+        for tokens in token_blocks:
+            parent = block_hash(parent, tokens)
+            hashes.append(parent)
+        run = self.slower_tier.find_run(hashes, token_blocks)
+        num_blocks = min(len(run), self.pool.num_reusable)
+        if num_blocks == 0:
+            return
+        blocks = [self.pool.allocate() for _ in range(num_blocks)]
+        num_loaded = self.slower_tier.load_run(run[:num_blocks], [b.block_id for b in blocks])
+        for i, block in enumerate(blocks):
+            if i < num_loaded:
+                self.pool.register(block, hashes[i], token_blocks[i])
+                seq.block_table.append(block.block_id)
+                seq.block_hashes.append(hashes[i])
+            else:
+                self.pool.release(block)  # a bad entry ended the run: these blocks go back unused
+
+    def cached_prefix(self, token_ids: SequenceOf[int]) -> list[CachedBlock]:
+        """The leading full blocks of token_ids that the pool holds (active or cached), in chain order."""
+        found: list[CachedBlock] = []
+        parent = self.root_hash
+        for depth in range(len(token_ids) // self.block_size):
+            tokens = token_ids[depth * self.block_size : (depth + 1) * self.block_size]
+            h = block_hash(parent, tokens)
+            block = self.pool.lookup(h, tokens)
+            if block is None:
+                break
+            found.append(CachedBlock(block.block_id, h, parent, depth, tuple(tokens)))
+            parent = h
+        return found
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold num_new_tokens more tokens; False (and no change) if the pool is short."""
