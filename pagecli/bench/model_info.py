@@ -34,7 +34,7 @@ class ModelKV:
 
 def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     """KV geometry of MODEL ('default', a folder, a .gguf file or a hub id) in the dtype the engine would use."""
-    from pagecli.engine.engine import _DEFAULT_CONTEXT_CAP
+    from pagecli.config.settings import DEFAULT_CONTEXT_CAP
     from pagecli.models.loader import resolve_device, resolve_dtype
     from pagecli.models.source import DEFAULT_MODEL_NAME
     from pagecli.models.spec import DecoderSpec
@@ -42,7 +42,7 @@ def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     hf_config = _hf_config(model)
     spec = DecoderSpec.from_hf_config(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
-    context = min(spec.max_position_embeddings, _DEFAULT_CONTEXT_CAP)
+    context = min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
     if spec.sliding_window:
         context = min(context, spec.sliding_window)
     return ModelKV(
@@ -80,13 +80,7 @@ def _gguf_config(gguf_path: Path) -> Any:
     converted = source.converted_folder_for(gguf_path)
     if (converted / source.CONVERTED_MARKER).is_file():
         return load_hf_config(converted)
-    reader = gguf_convert._open_reader(gguf_path)
-    metadata = gguf_convert._scalar_metadata(reader)
-    architecture = metadata.get("general.architecture")
-    if architecture not in gguf_convert.SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelError(f"GGUF file '{gguf_path}' holds a '{architecture}' model, which pagecli does not run.")
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = gguf_convert._llama_config(gguf_path, metadata, tensor_names, gguf_convert._token_count(reader))
+    config = gguf_convert.read_gguf_config(gguf_path)
     return SimpleNamespace(model_type="llama", **config)  # what DecoderSpec reads; no transformers import
 
 

@@ -128,8 +128,9 @@ class _Recorder:
 
     def sample(self) -> None:
         self.last_stats = self.engine.stats()
-        slots_unused, references = block_table_usage(self.engine)
-        self.samples.append(StepSample(len(self.samples), self.elapsed_s(), self.last_stats, slots_unused, references))
+        stats = self.last_stats
+        self.samples.append(StepSample(len(self.samples), self.elapsed_s(), stats, stats.slots_unused,
+                                       stats.block_references))
 
     def finished(self, outcome: RequestOutcome) -> None:
         self.outcomes.append(outcome)
@@ -139,20 +140,6 @@ class _Recorder:
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start_s
-
-
-def block_table_usage(engine: Engine) -> tuple[int, int]:
-    """(slots allocated but holding no token, block-table entries) over the running sequences.
-
-    Only running sequences hold blocks. Shared blocks are full, so every unused slot sits in
-    one sequence's private last block and none is counted twice. EngineStats lacks both figures.
-    """
-    block_size = engine.config.block_size
-    unused = references = 0
-    for seq in engine.scheduler.running:
-        references += len(seq.block_table)
-        unused += len(seq.block_table) * block_size - seq.num_computed_tokens
-    return unused, references
 
 
 def _reset_gpu_peak(engine: Engine) -> None:

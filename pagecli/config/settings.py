@@ -12,6 +12,7 @@ from pagecli.errors import PagecliError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 
 
 def _require(condition: bool, message: str) -> None:
@@ -29,7 +30,7 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides the budget when set
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    max_model_len: int | None = None  # default: the model's context length, capped at DEFAULT_CONTEXT_CAP
     dtype: str = "auto"
     attention: str = "auto"
     device: str = "auto"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagecli.attention import select_backend
-from pagecli.config.settings import EngineConfig, SamplingParams
+from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
 from pagecli.engine.hashing import root_hash
@@ -35,7 +35,6 @@ from pagecli.store.files import resolve_store_dir
 from pagecli.store.tier import DiskTier
 
 Prompt = str | list[dict[str, Any]] | list[int]
-_DEFAULT_CONTEXT_CAP = 8192
 _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
@@ -124,7 +123,7 @@ class Engine:
         return self._context_len(DecoderSpec.from_hf_config(load_hf_config(folder)))
 
     def _context_len(self, spec: Any) -> int:
-        limit = self.config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_CONTEXT_CAP)
+        limit = self.config.max_model_len or min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
         if self.config.max_model_len and self.config.max_model_len > spec.max_position_embeddings:
             raise PagecliError(
                 f"max_model_len {self.config.max_model_len} exceeds the model's context of "
@@ -357,6 +356,9 @@ class Engine:
             prefix_disk_hit_tokens=self.kv.prefix_disk_hit_tokens, evictions=self.pool.evictions,
             device=str(self.loaded.device), dtype=str(self.loaded.dtype).removeprefix("torch."),
             attention_backend=self.backend.name, max_model_len=self.max_model_len,
+            block_references=sum(len(s.block_table) for s in self.scheduler.running),
+            slots_unused=sum(len(s.block_table) * self.pool.block_size - s.num_computed_tokens
+                             for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
         )
 

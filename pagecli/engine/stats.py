@@ -37,6 +37,8 @@ class EngineStats:
     dtype: str
     attention_backend: str
     max_model_len: int
+    block_references: int = 0  # block-table entries of running sequences (a shared block counts once per holder)
+    slots_unused: int = 0  # slots of running sequences' blocks that hold no token yet: internal fragmentation
     block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
 
     @property

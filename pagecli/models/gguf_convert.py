@@ -47,6 +47,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     """Write the HF folder for `gguf_path` into the existing, empty `out_dir`."""
     say = progress or (lambda message: None)
     say(f"Reading {gguf_path.name}")
+    reader, metadata, config = _read_header(gguf_path)
+    say(f"Dequantizing {len(reader.tensors)} tensors to float32")
+    _write_weights(gguf_path, reader, config, out_dir)
+    say("Writing tokenizer and chat template")
+    _write_tokenizer(gguf_path, metadata, config, out_dir)
+    _write_configs(config, out_dir)
+
+
+def read_gguf_config(gguf_path: Path) -> dict[str, Any]:
+    """The HF config (as a dict) that converting `gguf_path` would write; reads metadata only."""
+    return _read_header(gguf_path)[2]
+
+
+def _read_header(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     reader = _open_reader(gguf_path)
     metadata = _scalar_metadata(reader)
     architecture = metadata.get("general.architecture")
@@ -57,13 +71,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
             f"these GGUF architectures: {supported}; pass a Hugging Face folder or hub id instead."
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
-    config = _llama_config(gguf_path, metadata, tensor_names, _token_count(reader))
-
-    say(f"Dequantizing {len(reader.tensors)} tensors to float32")
-    _write_weights(gguf_path, reader, config, out_dir)
-    say("Writing tokenizer and chat template")
-    _write_tokenizer(gguf_path, metadata, config, out_dir)
-    _write_configs(config, out_dir)
+    return reader, metadata, _llama_config(gguf_path, metadata, tensor_names, _token_count(reader))
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
