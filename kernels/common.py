@@ -52,6 +52,34 @@ def paged_kv_offsets(
 
 
 @triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    positions,  # [BLOCK_N]
+    pos_mask,  # [BLOCK_N]
+    dims,  # [D_PAD]
+    dim_mask,  # [D_PAD]
+    stride_cache_block,
+    stride_cache_slot,
+    head_offset,
+    BLOCK_SIZE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """K and V tiles [BLOCK_N, D_PAD] of one KV head at the given positions (zeros where masked)."""
+    kv_offsets = paged_kv_offsets(
+        table_row_ptr, positions, pos_mask, dims, stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE
+    )
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT: tl.constexpr):
     """Fold one tile into the running softmax: scores [M, N] in the log2 domain, masked with -inf,
     and values [N, D]; m_i [M] is the running max, l_i [M] the running sum, acc [M, D] the output.

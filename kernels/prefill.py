@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, online_softmax_step, paged_kv_offsets
+from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -83,15 +83,10 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = positions < kv_end
-        kv_offsets = paged_kv_offsets(
-            table_row, positions, pos_mask, dims, stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE
-        )  # [BLOCK_N, D_PAD]
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
+            stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE, FP32_DOT,
+        )  # [BLOCK_N, D_PAD] each
 
         scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (positions[None, :] <= query_pos[:, None]) & pos_mask[None, :]

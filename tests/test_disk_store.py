@@ -16,6 +16,7 @@ import torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.hashing import chain_hashes
+from engine_probes import recorded_logits
 from pagecli.models.loader import load_model
 from pagecli.store import maintenance
 from pagecli.store.files import INDEX_NAME
@@ -32,20 +33,6 @@ def make_engine(folder: Path, store: Path, dtype: str = "float32", **config) -> 
     settings = {"dtype": dtype, "device": "cpu", "attention": "torch", "block_size": BLOCK_SIZE, "num_blocks": 256,
                 "disk_cache_dir": str(store), **config}
     return Engine(config=EngineConfig(**settings), loaded=load_model(folder, dtype, "cpu", max_positions=512))
-
-
-def recorded_logits(engine: Engine) -> list[torch.Tensor]:
-    """Wrap the runner so every step's logits are kept."""
-    seen: list[torch.Tensor] = []
-    execute = engine.runner.execute
-
-    def record(scheduled):
-        logits = execute(scheduled)
-        seen.append(logits.clone())
-        return logits
-
-    engine.runner.execute = record
-    return seen
 
 
 def full_blocks_served(num_tokens: int) -> int:

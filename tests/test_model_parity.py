@@ -11,6 +11,7 @@ import torch
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
+from engine_probes import recorded_logits
 from pagecli.models.loader import load_model
 from tiny_models import ARCHS
 
@@ -21,20 +22,6 @@ DECODE_STEPS = 24
 def engine_for(folder, **config) -> Engine:
     cfg = EngineConfig(dtype="float32", device="cpu", attention="torch", **{"num_blocks": 128, "block_size": 4, **config})
     return Engine(config=cfg, loaded=load_model(folder, "float32", "cpu", max_positions=512))
-
-
-def recorded_logits(engine: Engine) -> list[torch.Tensor]:
-    """Wrap the runner so every step's logits are kept."""
-    seen: list[torch.Tensor] = []
-    execute = engine.runner.execute
-
-    def record(scheduled):
-        logits = execute(scheduled)
-        seen.append(logits.clone())
-        return logits
-
-    engine.runner.execute = record
-    return seen
 
 
 @pytest.mark.parametrize("arch", ARCHS)
