@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,42 @@ def smollm2_dir(tmp_path_factory) -> Path:
             return prepare_default_model()
         except ModelError as error:  # install.sh installs the wheel: its absence is a failure, not a skip
             pytest.fail(f"embedded model unavailable: {error}")
+
+
+@dataclass
+class EngineWatch:
+    engines: list = field(default_factory=list)  # every Engine built during the test
+    hash_inputs: dict = field(default_factory=dict)  # block hash -> (parent hash, token ids), as hashed
+
+
+@pytest.fixture(autouse=True)
+def engines_checked_after_test(monkeypatch):
+    """Every Engine a test builds has its pool checked when the test ends (tests/pool_checks.py):
+    a test that leaks a block, or leaves the hash index or a ref count wrong, fails at teardown.
+
+    The engines are held strongly until then: most tests drop their engine when they return, and
+    a weak reference would be dead before the check could run. The list is cleared afterwards.
+    """
+    from pagecli.engine import kv_cache_manager
+    from pagecli.engine.engine import Engine
+    from pool_checks import check_engine_pool, recording_block_hash
+
+    watch = EngineWatch()
+    original_init = Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        watch.engines.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    monkeypatch.setattr(kv_cache_manager, "block_hash", recording_block_hash(watch.hash_inputs))
+    yield watch
+    try:
+        for engine in watch.engines:
+            check_engine_pool(engine, watch.hash_inputs)
+    finally:
+        watch.engines.clear()
+        watch.hash_inputs.clear()
+
+
+pytest_plugins = ["pytester"]  # test_pool_invariants runs a leaking test in a child pytest

@@ -104,6 +104,12 @@ def _register_optional_commands() -> None:
         importlib.import_module(module)
 
 
+# Recent Typer carries its own copy of click, whose exceptions are not click's classes: catch both.
+_EXITS = (click.exceptions.Exit, typer.Exit)
+_USAGE_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
+_ABORTS = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("PAGECLI_DEBUG") == "1"
@@ -116,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         error_line(str(exc))
         return exc.exit_code
-    except click.exceptions.Exit as exc:
+    except _EXITS as exc:
         return exc.exit_code
-    except click.ClickException as exc:
-        exc.show()
+    except _USAGE_ERRORS as exc:
+        if hasattr(exc, "show"):
+            exc.show()
+        else:
+            error_line(str(exc))
         return exc.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except _ABORTS:
         error_line("Interrupted.")
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one sentence, not a traceback

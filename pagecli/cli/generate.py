@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from pagecli.chat.turn import StopFlag
 from pagecli.cli.batch_io import BadLine, BatchRequest, ResultWriter, detect_format, parse_requests, read_input
 from pagecli.cli.options import RunSettings
 from pagecli.config import SamplingParams
@@ -100,8 +101,11 @@ def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine
     start = time.perf_counter()
     tokens = 0
     done = len(ready) + next_index
+    # Ctrl-C only sets the flag, checked between results, so the count below is what the file holds;
+    # a second Ctrl-C raises KeyboardInterrupt at once.
+    stop = StopFlag()
     try:
-        with GenerateProgress(len(todo), progress) as bar:
+        with stop.catching_sigint(), GenerateProgress(len(todo), progress) as bar:
             for ev in engine.stream():
                 line = int(ev.request_id)
                 texts.setdefault(line, []).append(ev.text)
@@ -115,6 +119,8 @@ def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine
                     done += 1
                     flush()
                     bar.update(done, tokens / max(time.perf_counter() - start, 1e-9), engine.stats())
+                if stop():
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         say(f"Interrupted: {next_index} of {len(order)} results written; run the same command again to resume.",
             style="yellow")

@@ -12,6 +12,7 @@ from pagecli.errors import PagecliError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+_GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 
 
@@ -63,7 +64,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen for one request. temperature 0 means greedy."""
+    """How tokens are chosen for one request. temperature 0 means greedy (below 1e-5 too: that is the
+    limit, and dividing logits by a smaller temperature overflows)."""
 
     temperature: float = 0.7
     top_p: float = 1.0
@@ -86,11 +88,13 @@ class SamplingParams:
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}).")
         _require(self.repetition_penalty > 0, f"repetition_penalty must be positive (got {self.repetition_penalty}).")
         _require(self.max_tokens >= 1, f"max_tokens must be at least 1 (got {self.max_tokens}).")
+        _require(self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
+                 f"seed must fit in 64 bits (got {self.seed}).")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _GREEDY_BELOW_TEMPERATURE
 
 
 def field_names(cls: type) -> tuple[str, ...]:

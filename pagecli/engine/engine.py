@@ -104,6 +104,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = ModelRunner(loaded, self.backend, num_blocks, self.config.block_size)
         self._warnings: list[str] = []
+        self._warned_no_chat_template = False
         self.disk = self._open_disk_tier()
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -182,6 +183,10 @@ class Engine:
         if self.chat_template:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not self._warned_no_chat_template:
+            self._warned_no_chat_template = True
+            self._warnings.append("The model has no chat template; chat messages are sent as plain text "
+                                  "('role: content' lines, then 'assistant:').")
         text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages) + "\nassistant:"
         return list(self.tokenizer(text)["input_ids"])
 

@@ -51,7 +51,10 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (renormalised; never all zero)."""
-    logits = logits / params.temperature
+    logits = (logits / params.temperature).nan_to_num(nan=float("-inf"))
+    top = logits.max()
+    if torch.isinf(top):  # an absurd repetition penalty overflowed: take the limit, not NaN
+        logits = torch.where(logits == top, 0.0, float("-inf")) if top > 0 else torch.zeros_like(logits)
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,6 +63,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(dim=-1)
         drop_sorted = (cumulative - sorted_probs) >= params.top_p  # keeps the token that crosses top_p
+        drop_sorted[0] = False  # and the most likely one, even when top_p rounds to 0 in float32
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
