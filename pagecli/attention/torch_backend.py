@@ -59,7 +59,7 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(q_folded, k, v, scale=scale)
                 out[start] = o.reshape(num_heads, head_dim)
             else:
-                o = self._prefill_one(q.transpose(0, 1), k, v, seq_len, scale, group)
+                o = self._prefill_one(q.transpose(0, 1), k, v, seq_len, scale)
                 out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
@@ -71,15 +71,14 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         seq_len: int,
         scale: float,
-        group: int,
     ) -> torch.Tensor:
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
-        q_len = q.shape[1]
+        # 4-D inputs ([1, heads, len, head_dim]): PyTorch's CPU flash kernel takes only those
+        # (3-D ones fall back to a path about 6x slower); enable_gqa avoids repeating K/V per group.
+        q, k, v = q[None], k[None], v[None]
+        q_len = q.shape[2]
         if q_len == seq_len:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
         # New tokens follow a cached prefix: token j may see positions <= prefix_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True)[0]
