@@ -43,10 +43,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
     @classmethod
     def build(
         cls,

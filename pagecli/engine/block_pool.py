@@ -116,17 +116,6 @@ class BlockPool:
         block.token_ids = None
         self._num_cached -= 1
 
-    def clear_cache(self) -> int:
-        """Forget every cached (unreferenced) prefix; returns how many blocks were dropped."""
-        dropped = 0
-        for block_id in list(self._free_queue):
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._forget_hash(block)
-                self._free_queue.move_to_end(block_id, last=False)
-                dropped += 1
-        return dropped
-
     # --- observation --------------------------------------------------------------------------
     def counts(self) -> PoolCounts:
         free_or_cached = len(self._free_queue)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from types import TracebackType
 
 from rich.console import Console
@@ -60,6 +59,3 @@ def error_line(message: str) -> None:
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     console.print(f"Error: {message}", style="bold red", markup=False)
 
-
-def is_terminal() -> bool:
-    return sys.stdout.isatty()
