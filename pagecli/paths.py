@@ -38,5 +38,26 @@ def prefix_store_dir() -> Path:
     return Path(override).expanduser() if override else cache_dir() / "prefix"
 
 
+def native_dir() -> Path:
+    """Compiled CPU kernels; PAGECLI_NATIVE_DIR overrides it (tests share one build this way)."""
+    override = os.environ.get("PAGECLI_NATIVE_DIR")
+    return Path(override).expanduser() if override else cache_dir() / "native"
+
+
 def sessions_dir() -> Path:
     return data_dir() / "sessions"
+
+
+def make_private_dir(path: Path) -> None:
+    """Create path, and any parent missing too, so that only the user can read them (XDG asks 0700 for
+    directories it creates); existing directories are left alone."""
+    if path.is_dir():
+        return
+    make_private_dir(path.parent)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if path.is_dir():
+            return  # another process made it meanwhile
+        raise
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask

@@ -132,7 +132,8 @@ def run_hf(job: HFJob) -> HFResult:
     if job.threads:
         torch.set_num_threads(job.threads)
     device = torch.device(job.device)
-    model = AutoModelForCausalLM.from_pretrained(job.model_folder, dtype=getattr(torch, job.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(job.model_folder, dtype=getattr(torch, job.dtype),
+                                                 trust_remote_code=False).to(device).eval()
     pad_id = 0
     _generate_batch(model, [HFRequest("warmup", job.requests[0].prompt_token_ids[:8], 2, True, 0)], (), pad_id, device)
     if device.type == "cuda":

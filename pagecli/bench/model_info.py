@@ -90,7 +90,7 @@ def _hub_config(repo_id: str) -> Any:
     from pagecli.models.source import hub_offline
 
     try:
-        return AutoConfig.from_pretrained(repo_id, local_files_only=hub_offline())
+        return AutoConfig.from_pretrained(repo_id, local_files_only=hub_offline(), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if hub_offline() else "the Hugging Face Hub"
         raise ModelError(f"Cannot read the config of '{repo_id}' from {where}; pass a local model folder.") from exc

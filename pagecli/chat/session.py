@@ -17,7 +17,7 @@ from typing import Any
 
 from pagecli.chat.conversation import Conversation
 from pagecli.errors import PagecliError
-from pagecli.paths import sessions_dir
+from pagecli.paths import make_private_dir, sessions_dir
 
 SESSION_FORMAT_VERSION = 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -56,7 +56,7 @@ def save_session(name: str, conversation: Conversation, model: str | None) -> Pa
     data = {"format": SESSION_FORMAT_VERSION, "name": name, "model": model,
             "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"), **conversation.to_dict()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(path.parent)  # sessions hold conversations: only the user may read them
         _write_atomically(path, json.dumps(data, ensure_ascii=False, indent=1))
     except OSError as exc:
         raise PagecliError(f"Cannot save session '{name}' to '{path}': {exc.strerror or exc}.") from exc

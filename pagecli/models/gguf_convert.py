@@ -261,7 +261,8 @@ def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:
         raise ModelError(
             f"transformers could not build a tokenizer from '{gguf_path}' ({error}); "

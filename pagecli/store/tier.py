@@ -3,6 +3,10 @@
 `find_run` / `load_run` let the KV cache manager continue a prefix match on disk (one batched
 copy into the pool per run); `persist` copies blocks out of the pool on the engine thread and
 queues them for the background writer. Problems become lines in `warnings`, never exceptions.
+
+What `persist` remembers as stored it forgets as soon as the store's deletion mark moves: a
+block may have been dropped as bad, pruned, or lost with a replaced index since, and a chain
+written with a block missing in the middle would never be hit past the gap.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ class DiskTier:
         self.warnings = warnings
         self._copy_in = copy_in
         self._copy_out = copy_out
-        self._writer = BackgroundWriter(store, warnings.append)
-        self._known: set[bytes] = set()  # hashes this process has read from, written or queued for the store
+        self._writer = BackgroundWriter(store, warnings.append)  # must not refer to the tier, or _close never runs
+        self._seen_stored: set[bytes] = set()  # hashes the store held when asked, while _seen_mark holds
+        self._seen_mark: tuple[int, int] | None = None
         self._close = weakref.finalize(self, _shut_down, self._writer, store)  # also runs at interpreter exit
 
     @classmethod
@@ -57,24 +62,29 @@ class DiskTier:
             return 0
         num_loaded = kv.shape[2]
         self._copy_in(block_ids[:num_loaded], kv)
-        self._known.update(entry.block_hash for entry in run[:num_loaded])
         return num_loaded
 
     # --- writing ------------------------------------------------------------------------------
     def persist(self, blocks: Sequence[CachedBlock]) -> int:
-        """Queue the blocks the store lacks for writing; returns how many were queued."""
-        fresh = [b for b in blocks if b.block_hash not in self._known]
-        if not fresh or self.store.disabled:
+        """Queue the blocks the store lacks (and are not queued already) for writing; returns how many were queued."""
+        if self.store.disabled:
             return 0
+        mark = self.store.deletion_mark()  # read before asking, so a deletion in between moves it
+        if mark is None or mark != self._seen_mark:
+            self._seen_stored.clear()
+            self._seen_mark = mark
+        unseen = [b for b in blocks if b.block_hash not in self._seen_stored]
+        pending = self._writer.pending([b.block_hash for b in unseen])
+        fresh = [b for b in unseen if b.block_hash not in pending]
         stored = self.store.stored([b.block_hash for b in fresh])
-        self._known.update(stored)
+        if mark is not None:
+            self._seen_stored.update(stored)
         todo = [b for b in fresh if b.block_hash not in stored]
         if not todo:
             return 0
         kv = self._copy_out([b.block_id for b in todo])  # [num_layers, 2, n, block_size, kv_heads, head_dim], CPU
         records = [BlockRecord(b.block_hash, b.parent_hash, b.depth, b.token_ids) for b in todo]
         self._writer.submit(records, kv)
-        self._known.update(b.block_hash for b in todo)
         return len(todo)
 
     def flush(self) -> None:

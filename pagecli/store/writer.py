@@ -2,7 +2,8 @@
 
 The engine thread copies the KV out of the pool before queueing (the pool may reuse the
 blocks right after), so the writer only serializes, checksums and writes CPU tensors.
-`flush` waits for the queue to drain; `close` drains it and stops the thread. The thread is
+`flush` waits for the queue to drain; `close` drains it and stops the thread; `pending` says
+which blocks are queued or being written. The thread is
 a daemon, and whoever owns the writer arranges for `close` at exit (weakref.finalize), so
 pending writes finish before the process ends.
 """
@@ -24,6 +25,7 @@ class BackgroundWriter:
     def __init__(self, store: PrefixStore, warn: Callable[[str], None]) -> None:
         self._store = store
         self._warn = warn
+        self._pending: set[bytes] = set()  # hashes of queued runs whose write has not finished
         self._queue: queue.Queue[tuple[Sequence[BlockRecord], torch.Tensor] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -37,7 +39,13 @@ class BackgroundWriter:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pagecli-prefix-store-writer", daemon=True)
                 self._thread.start()
+            self._pending.update(r.block_hash for r in records)
             self._queue.put((records, kv))
+
+    def pending(self, hashes: Sequence[bytes]) -> set[bytes]:
+        """Those of these hashes that are queued or being written (written or failed: no longer pending)."""
+        with self._lock:
+            return self._pending.intersection(hashes)
 
     def flush(self) -> None:
         """Wait until every queued run is written."""
@@ -63,4 +71,7 @@ class BackgroundWriter:
             except Exception as exc:  # noqa: BLE001 - a failed write must never take the engine down
                 self._warn(f"A prefix store write failed and was skipped: {type(exc).__name__}: {exc}")
             finally:
+                if job is not _STOP:
+                    with self._lock:
+                        self._pending.difference_update(r.block_hash for r in job[0])
                 self._queue.task_done()
