@@ -15,6 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The compiled CPU kernels (pagecli.native) build once per machine into the user's cache (install.sh
+# builds them); the isolated PAGECLI_HOME below would otherwise rebuild them in every test.
+if "PAGECLI_HOME" not in os.environ:
+    from pagecli import paths
+
+    os.environ.setdefault("PAGECLI_NATIVE_DIR", str(paths.native_dir()))
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402

@@ -254,7 +254,8 @@ def assert_matches_doc(document: dict, schema: str) -> None:
 def test_bench_memory_cli_prints_tables_and_json_that_match_the_doc(tmp_path, tiny_llama):
     out = tmp_path / "memory.json"
     text = invoke("bench", "memory", "--lengths", "800,2300,3900", "--max-len", "4096", "-b", "8,16",
-                  "--model", str(tiny_llama), "--budget", "8MiB", "--shared-prefix", "700", "--json", str(out))
+                  "--model", str(tiny_llama), "--dtype", "float32", "--budget", "8MiB", "--shared-prefix", "700",
+                  "--json", str(out))
     assert "512 KV bytes per token" in text  # 2 layers x 2 KV heads x 16 head dim x 2 x 4 bytes
     assert "12,288" in text and "7,008" in text
     document = json.loads(out.read_text())
@@ -341,7 +342,7 @@ def test_bench_run_takes_a_generate_jsonl_file(tmp_path, tiny_llama):
 
 def test_compare_hf_runs_transformers_on_the_same_requests_and_outputs_agree(tmp_path, tiny_long_llama):
     document, text = run_json(tmp_path, "mixed", "-m", str(tiny_long_llama), "--count", "3", "-n", "5",
-                              "--compare", "hf", "--hf-batch-size", "2")
+                              "--compare", "hf", "--hf-batch-size", "2", "--dtype", "float32")
     compare = document["compare"]
     assert_matches_doc(document, "pagecli.bench.run/1")
     assert compare["agreement"] == {"num_requests": 3, "num_identical": 3, "all_identical": True, "differences": []}
@@ -387,7 +388,7 @@ def test_unknown_workload_names_the_built_in_ones(tiny_llama):
 def test_bench_run_on_the_embedded_model(tmp_path, smollm2_dir):
     # A small step budget: later requests arrive after the system prompt's blocks are committed, so they hit.
     document, _ = run_json(tmp_path, "shared-prefix", "-m", str(smollm2_dir), "--count", "3", "-n", "2",
-                           "--max-num-batched-tokens", "256")
+                           "--max-num-batched-tokens", "256", "--dtype", "float32")
     assert_matches_doc(document, "pagecli.bench.run/1")
     assert_figures_come_from_the_snapshot(document)
     assert document["engine"]["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4  # SmolLM2-135M in float32
@@ -397,5 +398,5 @@ def test_bench_run_on_the_embedded_model(tmp_path, smollm2_dir):
 @pytest.mark.slow
 def test_bench_memory_reads_the_embedded_models_config_without_running_it():
     text = invoke("bench", "memory", "--model", "default", "--lengths", "800,2300,3900", "--max-len", "4096",
-                  "--budget", "8GiB")
+                  "--budget", "8GiB", "--dtype", "float32")
     assert "46,080 KV bytes per token" in text  # 30 layers x 3 KV heads x 64 x 2 x 4 bytes

@@ -4,9 +4,15 @@ Writes new K/V with one indexed copy into the flat slot view of the cache, then 
 scaled dot-product attention per sequence over the blocks its block table names.
 For decode, the query heads that share a KV head are folded into the query length
 (`[kv_heads, group, head_dim]`), which needs no mask and no K/V repeat.
+
+On the CPU, when pagecli's compiled kernels are available (pagecli.native), every decode
+sequence of the step is handled by one call that reads K/V straight from the blocks: the
+per-sequence gather and SDPA call cost more than the arithmetic for a small model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +22,9 @@ from pagecli.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self, cpu_ops: Any = None) -> None:
+        self.cpu_ops = cpu_ops  # pagecli.native.cpu_ops(), or None for the plain PyTorch path
 
     def store_kv(
         self,
@@ -49,7 +58,13 @@ class TorchAttentionBackend:
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        first = 0
+        if self.cpu_ops is not None and meta.num_decode_seqs and query.device.type == "cpu":
+            first = start = meta.num_decode_seqs  # decodes come first, one token each
+            self.cpu_ops.paged_decode_attention(out[:first], query[:first], k_cache, v_cache,
+                                                meta.block_tables, meta.seq_lens, scale)
+        for i in range(first, meta.num_seqs):
+            q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             q = query[start : start + q_len]
             slots = meta.context_slots(i, k_cache.shape[1])
             k = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]

@@ -26,7 +26,7 @@ class EngineConfig:
     """How the engine runs: cache geometry, memory budget and batching limits."""
 
     block_size: int = 16
-    kv_budget_gib: float = 0.5  # KV pool size on CPU
+    kv_budget_gib: float = 0.75  # KV pool size on CPU (allocated lazily: untouched pages cost nothing)
     gpu_memory_fraction: float = 0.85  # share of free GPU memory (after weights) for the KV pool
     num_blocks: int | None = None  # overrides the budget when set
     max_num_seqs: int = 64

@@ -93,7 +93,11 @@ class Engine:
         self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
-        self.backend = select_backend(self.config.attention, loaded.device)
+        self._warnings: list[str] = []
+        cpu_ops = self._cpu_ops(progress)
+        self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
+        if cpu_ops is not None:
+            loaded.model.use_cpu_ops(cpu_ops)
         self.kv_bytes_per_block = spec.kv_bytes_per_token(loaded.dtype.itemsize) * self.config.block_size
         num_blocks = self._num_blocks()
         self.max_model_len = min(self._model_context_len(), num_blocks * self.config.block_size)
@@ -103,7 +107,6 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = ModelRunner(loaded, self.backend, num_blocks, self.config.block_size)
-        self._warnings: list[str] = []
         self._warned_no_chat_template = False
         self.disk = self._open_disk_tier()
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
@@ -115,6 +118,18 @@ class Engine:
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+    def _cpu_ops(self, progress: Callable[[str], None] | None) -> Any:
+        """pagecli's compiled CPU kernels (None on a GPU, or when they cannot be built: then say so once)."""
+        if self.loaded.device.type != "cpu":
+            return None
+        from pagecli import native
+
+        ops = native.cpu_ops(progress)
+        if ops is None and native.enabled():
+            self._warnings.append(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}; "
+                                  "using the slower PyTorch path.")
+        return ops
 
     # --- sizing -----------------------------------------------------------------------------
     def _context_cap_for(self, folder: Any) -> int:

@@ -29,8 +29,9 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         spec = loaded.spec
-        # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = torch.zeros(
+        # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]. Not zeroed: a slot is
+        # written before anything reads it, and untouched pages of a large pool cost no memory.
+        self.kv_caches = torch.empty(
             spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
             dtype=loaded.dtype, device=loaded.device,
         )

@@ -25,18 +25,21 @@ def make_generator(sampling: SamplingParams) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [num_seqs, vocab] (any dtype, any device); returns one token id per sequence."""
-    logits = logits.float().cpu()
-    chosen: list[int] = []
+    logits = logits.cpu()
+    # Plain greedy rows (the common case of a batch) take one argmax for all of them.
+    chosen = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         params = seq.sampling
-        row_logits = logits[row]
+        if params.greedy and params.repetition_penalty == 1.0:
+            continue
+        row_logits = logits[row].float()
         if params.repetition_penalty != 1.0:
             row_logits = apply_repetition_penalty(row_logits, seq.token_ids, params.repetition_penalty)
         if params.greedy:
-            chosen.append(int(row_logits.argmax()))
+            chosen[row] = int(row_logits.argmax())
         else:
             probs = filtered_probs(row_logits, params)
-            chosen.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+            chosen[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
     return chosen
 
 

@@ -6,11 +6,13 @@ safetensors weights load by name without a mapping table.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
-from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, concat_linears
+from pagecli.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, RowsKernel, concat_linears, linear
 from pagecli.models.spec import DecoderSpec
 
 
@@ -19,10 +21,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
+        self.q_proj = Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -58,6 +60,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Holds one layer's modules; CausalLM.forward runs them (the residual adds are fused into the norms)."""
+
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.self_attn = Attention(spec)
@@ -65,15 +69,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, h, positions, rotary, kv_cache, meta, backend) -> torch.Tensor:  # noqa: ANN001
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
 
 class DecoderBody(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -86,13 +86,29 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderBody(spec)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+
+    rows_kernel: RowsKernel | None = None
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def use_cpu_ops(self, ops: Any) -> None:
+        """Run the elementwise steps with pagecli.native's fused CPU kernels, and few-row bf16
+        products (decode of one or two sequences) with its bf16 kernel where the CPU has one."""
+        rows_kernel = ops.linear_bf16_rows if ops.has_bf16_linear() and self.output_weight.dtype == torch.bfloat16 else None
+        self.rows_kernel = rows_kernel
+        self.rotary.kernel = ops.rotary_
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.rows_kernel = rows_kernel
+            elif isinstance(module, RMSNorm):
+                module.kernel = ops.add_rms_norm
+            elif isinstance(module, GatedMLP):
+                module.kernel = ops.silu_mul
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -106,10 +122,14 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden], the residual stream
+        delta = None  # what the last attention or MLP adds to h
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, self.rotary, kv_cache, meta, backend)
-        return self.model.norm(h)
+            x = layer.input_layernorm.add_and_norm(h, delta)
+            delta = layer.self_attn(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer.post_attention_layernorm.add_and_norm(h, delta)
+            delta = layer.mlp(x)
+        return self.model.norm.add_and_norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.output_weight)  # [num_selected, vocab]
+        return linear(hidden, self.output_weight, None, self.rows_kernel)  # [num_selected, vocab]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -11,6 +11,9 @@ from pagecli.models.spec import rope_parameters
 
 
 class RMSNorm(nn.Module):
+    # pagecli.native's add_rms_norm (the same arithmetic in one pass), when set by CausalLM.use_cpu_ops.
+    kernel: Callable[..., torch.Tensor] | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -21,6 +24,14 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The residual step: h += delta in place (when given), then the norm of h."""
+        if self.kernel is not None and h.dim() == 2 and h.is_contiguous():
+            return self.kernel(h, delta, self.weight, self.eps)
+        if delta is not None:
+            h += delta
+        return self(h)
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,11 +45,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.kernel: Callable[..., None] | None = None  # pagecli.native's rotary_ (in place), when set
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, kv_heads, head_dim]
+        if self.kernel is not None:
+            self.kernel(q, positions, self.cos, self.sin)
+            self.kernel(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -65,11 +81,46 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+# Up to this many rows, pagecli's compiled bf16 kernel beats oneDNN's bf16 matmul, which costs the
+# same for 1 row as for 16 (docs/BENCHMARKS.md, "CPU kernels").
+ROWS_KERNEL_MAX_ROWS = 2
+RowsKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rows_kernel: RowsKernel | None = None) -> torch.Tensor:
+    """F.linear, or rows_kernel for a bf16 product of a few rows (decode of one or two sequences)."""
+    if rows_kernel is not None and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
+        return rows_kernel(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameter names) that can hand few-row products to a compiled kernel.
+    Its weights always come from a checkpoint, so it skips the random init (which, on the meta
+    device the model is built on, makes torch import its compiler stack: about 1.7 s)."""
+
+    rows_kernel: RowsKernel | None = None
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.rows_kernel)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random init, for the same reason as Linear."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def concat_linears(linears: list[nn.Linear]) -> Linear:
     """One Linear whose output is the concatenation of the given Linears' outputs."""
     weight = torch.cat([lin.weight for lin in linears], dim=0)  # [sum(out_features), in_features]
     has_bias = linears[0].bias is not None
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if has_bias:
         fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
@@ -79,11 +130,13 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # pagecli.native's silu_mul, when set
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def fuse_projections(self) -> None:
         """Replace gate_proj and up_proj (checkpoint names) by one gate_up_proj."""
@@ -92,5 +145,8 @@ class GatedMLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernel is not None and gate_up.dim() == 2:
+            return self.down_proj(self.kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)

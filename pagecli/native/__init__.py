@@ -1,0 +1,124 @@
+"""pagecli's CPU kernels (cpu_ops.cpp), compiled once per machine and cached.
+
+`cpu_ops()` returns the loaded extension, or None when it cannot be had: no C++ compiler,
+PAGECLI_NATIVE=0, or a failed build. Callers then take the plain PyTorch path, which gives the
+same results more slowly; `unavailable_reason()` says why, for a one-line warning.
+
+The build goes to `paths.native_dir()/<key>/` (the user cache), keyed by the source, the torch version and
+the CPU's instruction-set flags (the code is compiled for the machine it runs on). A file lock
+keeps two processes from building at once; the second one loads what the first built.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from pagecli import paths
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGECLI_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (Linux), else a processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_CFLAGS).encode(),
+                 cpu_flags().encode(), sys.version.encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return paths.native_dir() / build_key()
+
+
+def _build(progress: Callable[[str], None] | None) -> ModuleType:
+    import filelock
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    target = build_dir()
+    paths.make_private_dir(target)
+    with filelock.FileLock(str(target / ".build.lock")):
+        if progress is not None and not any(target.glob("*.so")):
+            progress("Compiling pagecli's CPU kernels for this machine (once; about a minute)")
+        return cpp_extension.load(
+            name=f"pagecli_cpu_ops_{build_key()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(target),
+            verbose=False,
+        )
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel installs it beside the interpreter."""
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    current = os.environ.get("PATH", "").split(os.pathsep)
+    extra = [c for c in candidates if c and c not in current and os.path.exists(os.path.join(c, "ninja"))]
+    if extra:
+        os.environ["PATH"] = os.pathsep.join(extra + current)
+
+
+def cpu_ops(progress: Callable[[str], None] | None = None) -> ModuleType | None:
+    """The compiled kernels, building them on first use; None when unavailable."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        module: ModuleType | None = None
+        if not enabled():
+            _state["reason"] = "PAGECLI_NATIVE=0 is set"
+        else:
+            try:
+                module = _build(progress)
+            except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
+                _state["reason"] = f"building them failed ({_first_error(exc)})"
+        _state["module"] = module
+        return module
+
+
+def _first_error(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line.lower() and not line.startswith("[")]  # compiler messages
+    return (errors or lines or [type(exc).__name__])[0][:200]
+
+
+def unavailable_reason() -> str | None:
+    return _state.get("reason")  # type: ignore[return-value]
+

@@ -1,0 +1,634 @@
+// CPU kernels for the decode step, where PyTorch's general ops pay per-call costs that dominate
+// a small model: paged decode attention over every sequence in one call, and a bf16
+// matrix-vector product that streams the weights once (oneDNN's bf16 path is slower than fp32
+// for a single row). Built on first use by pagecli.native (torch.utils.cpp_extension).
+//
+// Layouts (see pagecli/attention): cache [num_blocks, block_size, kv_heads, head_dim];
+// block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGECLI_HAVE_BF16_DOT 1
+#else
+#define PAGECLI_HAVE_BF16_DOT 0
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen to 32 bits and shift left.
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Stores 16 floats rounded to nearest-even, as c10's conversions round.
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+#endif
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// x rounded to scalar_t and back: the rounding a PyTorch op in that dtype applies.
+template <typename scalar_t>
+inline __m512 round16(__m512 x) {
+  alignas(64) scalar_t tmp[16];
+  store16(tmp, x);
+  return load16(tmp);
+}
+template <>
+inline __m512 round16<float>(__m512 x) { return x; }
+
+// exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, then
+// scaling by 2^n (vscalefps). Relative error about 2e-7; inputs below -87 give 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Dot product of a float vector with a cache row.
+template <typename scalar_t>
+inline float dot_row(const float* q, const scalar_t* k, int64_t dim) {
+  int64_t d = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  if (dim >= 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    total = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; d < dim; ++d) total += q[d] * to_float(k[d]);
+  return total;
+}
+
+template <typename scalar_t>
+inline void axpy_row(float* out, float weight, const scalar_t* v, int64_t dim) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_set1_ps(weight);
+  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(out + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_loadu_ps(out + d)));
+#endif
+  for (; d < dim; ++d) out[d] += weight * to_float(v[d]);
+}
+
+// scores[g * stride] = (q_g . k_row) for the group of query heads sharing this kv head; k_row is
+// read and widened once for all of them. CHUNKS = head_dim / 16 when known at compile time (the
+// row then stays in registers), 0 for any head_dim.
+template <int CHUNKS, typename scalar_t>
+inline void group_scores(const float* q, int64_t group, const scalar_t* k_row, int64_t dim, float* scores,
+                         int64_t stride) {
+#if defined(__AVX512F__)
+  if constexpr (CHUNKS > 0) {
+    __m512 k[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) k[c] = load16(k_row + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), k[0]);
+      for (int c = 1; c < CHUNKS; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * c), k[c], acc);
+      scores[g * stride] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) scores[g * stride] = dot_row(q + g * dim, k_row, dim);
+}
+
+// acc[g] += weights[g * stride] * v_row for each query head of the group; v_row widened once.
+template <int CHUNKS, typename scalar_t>
+inline void group_accumulate(float* acc, int64_t group, const float* weights, int64_t stride, const scalar_t* v_row,
+                             int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (CHUNKS > 0) {
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(v_row + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[g * stride]);
+      float* a = acc + g * dim;
+      for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * dim, weights[g * stride], v_row, dim);
+}
+
+// scores[i] = exp(scores[i] - shift) for i < n; returns their sum.
+inline float exp_shifted_sum(float* scores, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), s));
+    _mm512_storeu_ps(scores + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    scores[i] = std::exp(scores[i] - shift);
+    total += scores[i];
+  }
+  return total;
+}
+
+#if defined(__AVX512F__)
+// out[t] = the sum of the 16 lanes of a[t], for t < 16: a transpose-and-add tree (four levels of
+// shuffles), much cheaper than sixteen horizontal sums.
+inline __m512 sum_lanes_16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of tokens 4i .. 4i+3
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // Add the four 128-bit lanes: tokens 0-7 then 8-15, then all sixteen in order.
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
+}
+
+// Scores of up to 16 tokens (rows[i] = token i's K row of one kv head) for the group's query
+// heads: out[g * stride + i] = q_g . k_i. The rows are widened to fp32 once, into buf.
+template <int CHUNKS, typename scalar_t>
+inline void tile_scores(const float* q, int64_t group, const scalar_t* const* rows, int64_t n, float* out,
+                        int64_t stride, float* buf) {
+  constexpr int D = CHUNKS * 16;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(buf + i * D + 16 * c, load16(rows[i] + 16 * c));
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      if (i < n) {
+        for (int c = 0; c < CHUNKS; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + i * D + 16 * c), acc[i]);
+      }
+    }
+    _mm512_mask_storeu_ps(out + g * stride, valid, sum_lanes_16(acc));
+  }
+}
+
+// acc[g] += sum over the tile's tokens i of w[g * stride + i] * v_i, V rows widened once into buf.
+template <int CHUNKS, typename scalar_t>
+inline void tile_accumulate(float* acc, int64_t group, const float* w, int64_t stride, const scalar_t* const* rows,
+                            int64_t n, float* buf) {
+  constexpr int D = CHUNKS * 16;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(buf + i * D + 16 * c, load16(rows[i] + 16 * c));
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 o[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) o[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 weight = _mm512_set1_ps(w[g * stride + i]);
+      for (int c = 0; c < CHUNKS; ++c) o[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(buf + i * D + 16 * c), o[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, o[c]);
+  }
+}
+#endif
+
+// Cache slots of tokens start .. start+n-1 of a sequence.
+inline void fill_tile_slots(int64_t* slots, const int32_t* table, int64_t block_size, int64_t start, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = start + i;
+    slots[i] = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+  }
+}
+
+// One query token per sequence, the `group` query heads of a kv head together: scores for the
+// whole context (two passes: softmax in fp32, then the weighted sum of V), reading K and V
+// straight from the blocks named by the block table.
+template <int CHUNKS, typename scalar_t>
+void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  // Strides in elements (query/out rows may be views of a larger flat batch).
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t slot_stride = kv_heads * head_dim;  // one token of one block
+  const float fscale = static_cast<float>(scale);
+
+  // A task is one sequence and a range of its kv heads: all kv heads when there are sequences enough
+  // to keep every thread busy (K/V rows are then read front to back, a block at a time), one kv
+  // head per task otherwise (a single long chat).
+  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t tasks_per_seq = kv_heads / heads_per_task;
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = heads_per_task * group;  // query heads of one task
+    std::vector<float> q_buf(width * head_dim);
+    std::vector<float> acc(width * head_dim);
+    std::vector<float> scores, row_max(width), denom(width);
+    int64_t tile_slots[16];
+    const scalar_t* tile_rows[16];
+    alignas(64) float tile_buf[16 * 16 * (CHUNKS > 0 ? CHUNKS : 1)];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / tasks_per_seq;
+      const int64_t h0 = task % tasks_per_seq * heads_per_task;
+      const int64_t len = lens[s];
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t j = 0; j < width; ++j) {
+        const scalar_t* src = q_ptr + s * q_s0 + (h0 * group + j) * q_s1;
+        for (int64_t d = 0; d < head_dim; ++d) q_buf[j * head_dim + d] = to_float(src[d]) * fscale;
+      }
+      // scores[j * len + t]: one contiguous row per query head, so the exp pass is vectorized.
+      scores.resize(static_cast<size_t>(len * width));
+#if defined(__AVX512F__)
+      if constexpr (CHUNKS > 0) {
+        for (int64_t start = 0; start < len; start += 16) {
+          const int64_t n = std::min<int64_t>(16, len - start);
+          fill_tile_slots(tile_slots, table, block_size, start, n);
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            for (int64_t i = 0; i < n; ++i) tile_rows[i] = k_ptr + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
+            tile_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, tile_rows, n,
+                                scores.data() + h * group * len + start, len, tile_buf);
+          }
+        }
+      } else
+#endif
+      {
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+          const scalar_t* k_row = k_ptr + slot * slot_stride + h0 * head_dim;
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            group_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, k_row + h * head_dim, head_dim,
+                                 scores.data() + h * group * len + t, len);
+          }
+        }
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        const float* row = scores.data() + j * len;
+        row_max[j] = *std::max_element(row, row + len);
+        denom[j] = exp_shifted_sum(scores.data() + j * len, len, row_max[j]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX512F__)
+      if constexpr (CHUNKS > 0) {
+        for (int64_t start = 0; start < len; start += 16) {
+          const int64_t n = std::min<int64_t>(16, len - start);
+          fill_tile_slots(tile_slots, table, block_size, start, n);
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            for (int64_t i = 0; i < n; ++i) tile_rows[i] = v_ptr + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
+            tile_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + start,
+                                    len, tile_rows, n, tile_buf);
+          }
+        }
+      } else
+#endif
+      {
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+          const scalar_t* v_row = v_ptr + slot * slot_stride + h0 * head_dim;
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            group_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + t,
+                                     len, v_row + h * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        scalar_t* dst = o_ptr + s * o_s0 + (h0 * group + j) * o_s1;
+        const float inv = 1.f / denom[j];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[j * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+// Common head sizes get a version whose K/V rows stay in registers.
+template <typename scalar_t>
+void paged_decode_for_dim(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, double scale) {
+  switch (query.size(2)) {
+    case 64: return paged_decode_impl<4, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 80: return paged_decode_impl<5, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 96: return paged_decode_impl<6, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 128: return paged_decode_impl<8, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: return paged_decode_impl<0, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  }
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out rows must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and cache differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  block_tables.size(0) >= query.size(0),
+              "block_tables must be contiguous int32 with a row per sequence");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.size(0) >= query.size(0),
+              "seq_lens must be contiguous int32 with an entry per sequence");
+  switch (query.scalar_type()) {
+    case at::kFloat: return paged_decode_for_dim<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kBFloat16:
+      return paged_decode_for_dim<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kHalf:
+      return paged_decode_for_dim<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode_attention takes float32, bfloat16 or float16");
+  }
+}
+
+#if PAGECLI_HAVE_BF16_DOT
+// Sum of x[k] * w[k] for bf16 rows of length dim, in fp32 (vdpbf16ps, 32 products per step).
+inline __m512 bf16_dot_step(__m512 acc, const c10::BFloat16* x, const c10::BFloat16* w, __mmask32 mask) {
+  const __m512i xv = _mm512_maskz_loadu_epi16(mask, x);
+  const __m512i wv = _mm512_maskz_loadu_epi16(mask, w);
+  return _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)wv);
+}
+#endif
+
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows M: each weight row is read once for all
+// M rows, four weight rows at a time, with the rows split across threads.
+torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if PAGECLI_HAVE_BF16_DOT
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
+  x = x.contiguous();
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kBFloat16).contiguous();
+    bp = b.data_ptr<c10::BFloat16>();
+  }
+  const int64_t full = K / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (K - full)) - 1);
+  constexpr int64_t R = 4;  // weight rows per inner step
+  at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * R;
+      const int64_t rows = std::min<int64_t>(R, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        const c10::BFloat16* xr = xp + m * K;
+        __m512 acc[R] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t k = 0; k < full; k += 32) {
+          for (int64_t r = 0; r < rows; ++r) acc[r] = bf16_dot_step(acc[r], xr + k, wp + (n0 + r) * K + k, 0xFFFFFFFFu);
+        }
+        if (tail) {
+          for (int64_t r = 0; r < rows; ++r) acc[r] = bf16_dot_step(acc[r], xr + full, wp + (n0 + r) * K + full, tail);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = _mm512_reduce_add_ps(acc[r]);
+          if (bp) v += static_cast<float>(bp[n0 + r]);
+          yp[m * N + n0 + r] = static_cast<c10::BFloat16>(v);
+        }
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear_bf16_rows needs AVX512-BF16, which this build lacks");
+#endif
+}
+
+// ---- Elementwise steps of a decoder layer, fused so each is one pass and one call -----------------
+// Each computes in fp32 and rounds where the PyTorch layers (pagecli/models/layers.py) round, so
+// float32 results match them to rounding and bf16 ones round at the same points.
+
+template <typename scalar_t>
+inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
+
+// h += delta (when given, rounded to h's dtype), then returns weight * rms_norm(h).
+template <typename scalar_t>
+void add_rms_norm_impl(torch::Tensor& h, const torch::Tensor* delta, const torch::Tensor& weight, torch::Tensor& out,
+                       double eps) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  scalar_t* hp = h.data_ptr<scalar_t>();
+  const scalar_t* dp = delta ? delta->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* hr = hp + r * dim;
+      const scalar_t* dr = dp ? dp + r * dim : nullptr;
+      int64_t d = 0;
+      float sum_sq = 0.f;
+#if defined(__AVX512F__)
+      __m512 sq = _mm512_setzero_ps();
+      for (; d + 16 <= dim; d += 16) {
+        __m512 v = load16(hr + d);
+        if (dr) {
+          v = round16<scalar_t>(_mm512_add_ps(v, load16(dr + d)));
+          store16(hr + d, v);
+        }
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      sum_sq = _mm512_reduce_add_ps(sq);
+#endif
+      for (; d < dim; ++d) {
+        if (dr) hr[d] = round_to<scalar_t>(to_float(hr[d]) + to_float(dr[d]));
+        const float v = to_float(hr[d]);
+        sum_sq += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + static_cast<float>(eps));
+      scalar_t* orow = op + r * dim;
+      d = 0;
+#if defined(__AVX512F__)
+      const __m512 inv16 = _mm512_set1_ps(inv);
+      for (; d + 16 <= dim; d += 16) {
+        const __m512 normed = round16<scalar_t>(_mm512_mul_ps(load16(hr + d), inv16));
+        store16(orow + d, _mm512_mul_ps(load16(wp + d), normed));
+      }
+#endif
+      for (; d < dim; ++d) {
+        const float normed = to_float(round_to<scalar_t>(to_float(hr[d]) * inv));
+        orow[d] = round_to<scalar_t>(to_float(wp[d]) * normed);
+      }
+    }
+  });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [rows, dim] tensor");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) && weight.scalar_type() == h.scalar_type(),
+              "weight must be [dim] in h's dtype");
+  const torch::Tensor* d = nullptr;
+  torch::Tensor delta_c;
+  if (delta.has_value() && delta->defined()) {
+    delta_c = delta->contiguous();
+    TORCH_CHECK(delta_c.sizes() == h.sizes() && delta_c.scalar_type() == h.scalar_type(), "delta must match h");
+    d = &delta_c;
+  }
+  auto out = torch::empty_like(h);
+  switch (h.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(h, d, weight, out, eps); break;
+    case at::kBFloat16: add_rms_norm_impl<c10::BFloat16>(h, d, weight, out, eps); break;
+    case at::kHalf: add_rms_norm_impl<c10::Half>(h, d, weight, out, eps); break;
+    default: TORCH_CHECK(false, "add_rms_norm takes float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// Rotary embedding in place on x [tokens, heads, head_dim] (rows may be strided views of the qkv
+// output): the rotate-half layout, x * cos + rotate_half(x) * sin with fp32 tables.
+template <typename scalar_t>
+void rotary_impl(torch::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t table_dim) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * table_dim;
+      const float* s = sin + pos[t] * table_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* row = xp + t * s0 + h * s1;
+        for (int64_t d = 0; d < dim; ++d) tmp[d] = to_float(row[d]);
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = tmp[d] * c[d], b = -tmp[d + half] * s[d];
+          row[d] = round_to<scalar_t>(a + b);
+        }
+        for (int64_t d = half; d < dim; ++d) {
+          const float a = tmp[d] * c[d], b = tmp[d - half] * s[d];
+          row[d] = round_to<scalar_t>(a + b);
+        }
+      }
+    }
+  });
+}
+
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with contiguous rows");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be contiguous int64, one per token");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == x.size(2),
+              "cos and sin must be contiguous float32 [positions, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1)); break;
+    case at::kBFloat16:
+      rotary_impl<c10::BFloat16>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1));
+      break;
+    case at::kHalf: rotary_impl<c10::Half>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1)); break;
+    default: TORCH_CHECK(false, "rotary_ takes float32, bfloat16 or float16");
+  }
+}
+
+// silu(gate) * up for gate_up [rows, 2 * inter] = [gate | up]; returns [rows, inter].
+template <typename scalar_t>
+void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = out.size(0), inter = out.size(1);
+  const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gp + r * 2 * inter;
+      const scalar_t* u = g + inter;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 x = load16(g + i);
+        const __m512 one = _mm512_set1_ps(1.f);
+        const __m512 silu = round16<scalar_t>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        store16(op + r * inter + i, _mm512_mul_ps(silu, load16(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float x = to_float(g[i]);
+        const float silu = to_float(round_to<scalar_t>(x / (1.f + std::exp(-x))));
+        op[r * inter + i] = round_to<scalar_t>(silu * to_float(u[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [rows, 2 * intermediate] tensor");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
+    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(gate_up, out); break;
+    case at::kHalf: silu_mul_impl<c10::Half>(gate_up, out); break;
+    default: TORCH_CHECK(false, "silu_mul takes float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+bool has_bf16_linear() { return PAGECLI_HAVE_BF16_DOT; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention, one query token per sequence");
+  m.def("linear_bf16_rows", &linear_bf16_rows, "bf16 linear for a few rows (AVX512-BF16)");
+  m.def("add_rms_norm", &add_rms_norm, "h += delta (optional), then weight * rms_norm(h)");
+  m.def("rotary_", &rotary_, "Rotary embedding in place (rotate-half layout)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up output");
+  m.def("has_bf16_linear", &has_bf16_linear, "Whether linear_bf16_rows was built");
+}

@@ -1,0 +1,195 @@
+"""pagecli's compiled CPU kernels (pagecli.native) against the PyTorch code they replace.
+
+Each kernel is checked on the shapes the engine gives it (views into a flat batch, shuffled block
+tables, block sizes 1 and 16, GQA ratios 1 to 4, head sizes with and without a specialised
+version) in float32, bfloat16 and float16. The engine-level parity tests (test_model_parity.py,
+test_engine_invariance.py) run with these kernels on as well.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagecli import native
+from pagecli.attention.reference import reference_paged_attention
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+if not native.enabled():
+    pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = native.cpu_ops()
+    assert module is not None, f"the CPU kernels did not build: {native.unavailable_reason()}"
+    return module
+
+
+# (atol, rtol) against float32 math on the same stored values.
+TOLERANCES = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.5e-2, 1e-2)}
+
+
+def paged_decode_case(seq_lens, *, block_size, kv_heads, group, head_dim, dtype, seed=0):
+    """Random K/V in shuffled blocks, and a flat query batch whose first len(seq_lens) rows decode."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(needed) + 1  # one spare column, as a longer prefill row in the same step would add
+    tables, used = [], 0
+    for n in needed:
+        tables.append(order[used : used + n] + [0] * (width - n))
+        used += n
+    # Two extra rows after the decodes stand for prefill tokens of the same step.
+    query = torch.randn(len(seq_lens) + 2, kv_heads * group, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 64), (3, 3, 64), (1, 4, 80), (2, 2, 128), (2, 2, 40)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_decode_matches_the_reference(ops, dtype, kv_heads, group, head_dim, block_size):
+    seq_lens = [1, 15, 16, 17, 300]
+    query, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=dtype
+    )
+    n = len(seq_lens)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    ops.paged_decode_attention(out[:n], query[:n], k_cache, v_cache, tables, lens, scale)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    expected = reference_paged_attention(query[:n].float(), k_cache, v_cache, tables, starts, lens, scale)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out[:n].float(), expected, atol=atol, rtol=rtol)
+    assert out[n:].isnan().all(), "rows past the decodes must be left alone"
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_splits_work_the_same_way_for_any_thread_count(ops, num_seqs, threads):
+    # Few sequences: one task per kv head; many: one task per sequence. Both give the same numbers.
+    seq_lens = [37 + 11 * i for i in range(num_seqs)]
+    query, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=num_seqs
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(query[:num_seqs])
+        ops.paged_decode_attention(out, query[:num_seqs], k_cache, v_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    expected = reference_paged_attention(query[:num_seqs], k_cache, v_cache, tables, starts, lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_paged_decode_refuses_mismatched_inputs(ops):
+    query, k_cache, v_cache, tables, lens = paged_decode_case(
+        [5], block_size=4, kv_heads=2, group=2, head_dim=64, dtype=torch.float32
+    )
+    out = torch.empty_like(query[:1])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_decode_attention(out, query[:1].double(), k_cache, v_cache, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode_attention(out, query[:1], k_cache, v_cache, tables.long(), lens, 0.1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (100, 7), (64, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_rows_linear_matches_float32_math(ops, rows, in_features, out_features, bias):
+    if not ops.has_bf16_linear():
+        pytest.skip("this CPU has no AVX512-BF16, so the kernel is not built (the engine uses F.linear)")
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    got = ops.linear_bf16_rows(x, w, b)
+    expected = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), expected, atol=1e-2 * math.sqrt(in_features), rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_the_module(ops, dtype, with_delta):
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(dtype)
+    h = torch.randn(5, 96).to(dtype)
+    delta = torch.randn(5, 96).to(dtype) if with_delta else None
+    h_python, h_native = h.clone(), h.clone()
+    expected = norm.add_and_norm(h_python, delta)  # no kernel set: the PyTorch path
+    got = ops.add_rms_norm(h_native, delta, norm.weight.detach(), norm.eps)
+    torch.testing.assert_close(h_native, h_python, atol=0, rtol=0)  # the residual add, in place
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol * 4, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_the_module_on_strided_views(ops, dtype):
+    from transformers import LlamaConfig
+
+    rotary = RotaryEmbedding(LlamaConfig(head_dim=64, hidden_size=256, num_attention_heads=4), 64, 512)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64).to(dtype)  # q, k, v side by side, as the fused projection gives
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = q.view(6, 4, 64), k.view(6, 2, 64)
+    positions = torch.tensor([0, 1, 7, 8, 300, 511])
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    ops.rotary_(q, positions, rotary.cos, rotary.sin)
+    ops.rotary_(k, positions, rotary.cos, rotary.sin)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(q.float(), expected_q.float(), atol=atol * 2, rtol=rtol)
+    torch.testing.assert_close(k.float(), expected_k.float(), atol=atol * 2, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_matches_the_module(ops, dtype):
+    mlp = GatedMLP(8, 40, bias=False)  # 40: two vector steps and a scalar tail
+    mlp.fuse_projections()
+    gate_up = (torch.randn(3, 80) * 6).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(ops.silu_mul(gate_up).float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def generate_tokens(model_dir, dtype: str) -> list[tuple[int, ...]]:
+    prompts = [[5, 9, 2, 7] * 6, [3, 1], list(range(40, 90))]
+    with Engine(str(model_dir), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert not engine.take_warnings()
+    return [o.token_ids for o in outs]
+
+
+def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(tiny_llama, monkeypatch):
+    with_kernels = generate_tokens(tiny_llama, "float32")
+    monkeypatch.setenv("PAGECLI_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert generate_tokens(tiny_llama, "float32") == with_kernels
+
+
+def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, monkeypatch):
+    def broken_build(progress):
+        raise RuntimeError("Error building extension 'x':\nc++: error: unrecognized option\n")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", broken_build)
+    with Engine(str(tiny_llama), EngineConfig(dtype="float32", disk_cache=False)) as engine:
+        assert engine.backend.cpu_ops is None
+        out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        warnings = engine.take_warnings()
+    assert len(out[0].token_ids) == 3
+    assert warnings == [
+        "pagecli's CPU kernels are unavailable: building them failed (c++: error: unrecognized option); "
+        "using the slower PyTorch path."
+    ]
