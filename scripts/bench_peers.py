@@ -31,23 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact be have do say get make go know take see come think look "
-         "want give use find tell ask seem feel try leave call good new first last long great little own other old "
-         "right big high different small large next early young important few public bad same able").split()
+from bench_chat_ttft import MESSAGES  # scripts/ is on sys.path when this runs as a script
+from bench_generate_vs_hf import WORDS
+
 QUESTIONS = ["What is the main idea?", "List three key facts.", "Who would care about this?", "Summarise it briefly.",
              "What is missing?", "Give a title.", "What happens next?", "Is any claim doubtful?",
              "Explain it to a child.", "What are the risks?", "Name one benefit.", "Rewrite the first sentence.",
              "What question does it answer?", "Which word matters most?", "Translate the title to French.",
              "Give one counterpoint."]
-CHAT_TURNS = ["Hi! I'm planning a trip to Lisbon next spring. What should I know before I go?",
-              "Which neighbourhoods are best to stay in for a first visit, and why?",
-              "What are three dishes I must try, and where would I find them?",
-              "How do I get from the airport to the city centre cheaply?",
-              "Is it worth doing a day trip to Sintra? How would you plan it?",
-              "What about the trams: which lines are the most scenic?",
-              "Can you suggest a rainy-day plan with museums?",
-              "Finally, give me a one-paragraph summary of everything we discussed."]
+CHAT_TURNS = MESSAGES  # the 8-turn chat of bench_chat_ttft.py
 
 
 # --- workloads (built in the parent with the model's tokenizer) ---------------------------------

@@ -25,6 +25,7 @@ from pagecli.models.loader import load_model
 from pagecli.store import files, maintenance
 from pagecli.store.files import INDEX_NAME
 from pagecli.store.index import StoreIndex
+from test_disk_store import _blob_at_depth as blob_at_depth
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 37  # FILLER's 37 blocks push every block of PROMPT out of the pool
@@ -97,15 +98,6 @@ def assert_consistent(store: Path) -> None:
         rows = conn.execute("SELECT block_hash, parent_hash, depth FROM blocks").fetchall()
     stored = {r[0] for r in rows}
     assert all(depth == 0 or parent in stored for _, parent, depth in rows)
-
-
-def blob_at_depth(store: Path, depth: int) -> Path:
-    index = StoreIndex.open(store)
-    try:
-        [row] = [b for b in index.all_blocks() if b.depth == depth]
-    finally:
-        index.close()
-    return store / row.blob_path
 
 
 # --- damaged blobs ---------------------------------------------------------------------------------
