@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -101,6 +102,15 @@ def test_stdin_to_stdout(tiny_llama, tmp_path):
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [r["line"] for r in lines] == [1, 2]
     assert "Done: 2 completions" in proc.stderr
+
+
+def test_output_to_dev_null_runs_and_counts_every_result(tiny_llama, tmp_path, capsys):
+    # /dev/null refuses fsync (EINVAL) and has nothing to resume from; it used to end in
+    # "Unexpected OSError".
+    src = tmp_path / "in.txt"
+    src.write_text("hello\nworld\n")
+    assert generate(tiny_llama, src, os.devnull) == 0
+    assert "Done: 2 completions, 0 errors" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message, code", [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class ResultWriter:
         self.path = path
         self.done_lines: set[int] = set()
         self._stream: IO[str]
+        self._regular_file = False  # only a regular file is resumed from and synced to disk
         if path == "-":
             self._stream = sys.stdout
         else:
@@ -130,12 +132,13 @@ class ResultWriter:
                 self._stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
             except OSError as exc:
                 raise PagecliError(f"Cannot write output '{path}': {exc.strerror or exc}.") from None
+            self._regular_file = stat.S_ISREG(os.fstat(self._stream.fileno()).st_mode)
 
     def write(self, record: dict[str, Any]) -> None:
         self._stream.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._stream.flush()
-        if self._stream is not sys.stdout:
-            os.fsync(self._stream.fileno())
+        if self._regular_file:
+            os.fsync(self._stream.fileno())  # /dev/null or a pipe refuses fsync (EINVAL)
 
     def close(self) -> None:
         if self._stream is not sys.stdout:
@@ -148,6 +151,8 @@ def _recover(path: Path) -> set[int]:
         return set()
     if path.is_dir():
         raise PagecliError(f"Output '{path}' is a directory; pass a file path.")
+    if not path.is_file():
+        return set()  # /dev/null, a named pipe: nothing to resume from
     data = path.read_bytes()
     complete_end = data.rfind(b"\n") + 1
     if complete_end < len(data):
