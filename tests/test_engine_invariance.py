@@ -114,3 +114,17 @@ def test_prompt_longer_than_the_context_is_rejected_at_submission(tiny_model_fac
     with pytest.raises(PagecliError, match="holds at most 32"):
         engine.add_request("fox " * 100, GREEDY)
     assert not engine.has_unfinished
+
+
+def test_requests_sent_together_wait_for_a_shared_prefix_being_prefilled(tiny_model_factory):
+    # One batch of prompts that share a 40-token system prompt: the first computes it; the others
+    # wait a step for its blocks instead of computing them again, and give the same tokens.
+    shared = list(range(3, 43))
+    prompts = [shared + [50 + i, 60 + i, 70 + i] for i in range(6)]
+    folder = tiny_model_factory("llama")
+    alone = [run(make_engine(folder, block_size=4), [p])[0] for p in prompts]
+    engine = make_engine(folder, block_size=4)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert [o.cached_tokens for o in outs] == [0] + [40] * 5
+    assert engine.stats().prompt_tokens_computed == 43 + 5 * 3

@@ -82,8 +82,11 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._waits_for_inflight_prefix(seq):
+                continue  # a running prefill is computing blocks this prompt starts with: hit them next step
             if not seq.block_table:
                 hit_tokens = self.kv.match_prefix(seq)
                 if seq.num_preemptions == 0:
@@ -92,12 +95,31 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new):
                 self.kv.free(seq)  # give back the prefix hits; try again next step
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _waits_for_inflight_prefix(self, seq: Sequence) -> bool:
+        """Whether a running sequence is prefilling, right now, a full block that seq's prompt also
+        starts with (after the same committed blocks). Admitted now, seq would compute those tokens
+        a second time (a shared system prompt sent as one batch); a step later they are cached.
+        Never true without prefix caching, and the running prefill always progresses."""
+        if not self.kv.pool.enable_prefix_caching or seq.block_table:
+            return False
+        bs = self.kv.block_size
+        max_full_blocks = (seq.num_tokens - 1) // bs  # as match_prefix: the last token is always computed
+        for other in self.running:
+            committed = len(other.block_hashes)
+            if other.num_computed_tokens >= other.num_prompt_tokens or committed >= max_full_blocks:
+                continue
+            if (committed + 1) * bs > other.num_prompt_tokens:
+                continue  # its next block is not a full prompt block
+            if seq.token_ids[: (committed + 1) * bs] == other.token_ids[: (committed + 1) * bs]:
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
