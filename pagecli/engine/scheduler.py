@@ -117,7 +117,9 @@ class Scheduler:
                 continue
             if (committed + 1) * bs > other.num_prompt_tokens:
                 continue  # its next block is not a full prompt block
-            if seq.token_ids[: (committed + 1) * bs] == other.token_ids[: (committed + 1) * bs]:
+            block = slice(committed * bs, (committed + 1) * bs)  # the block `other` is computing now
+            if (seq.token_ids[block] == other.token_ids[block]
+                    and seq.token_ids[: block.start] == other.token_ids[: block.start]):
                 return True
         return False
 

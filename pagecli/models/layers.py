@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pagecli.models.spec import rope_parameters
+from pagecli.models.spec import rope_parameters, rope_type_of
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +69,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(hf_config)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    rope_type = rope_type_of(hf_config)
     if rope_type == "default":
         theta = float(params.get("rope_theta", 10000.0))
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from pagecli.errors import ModelError
 from pagecli.models.decoder import CausalLM
 from pagecli.models.layers import RotaryEmbedding
-from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_parameters
+from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,8 +107,7 @@ def _plain_config(folder: Path) -> SimpleNamespace | None:
     if model_type not in SUPPORTED_MODEL_TYPES or any(key not in data for key in required):
         return None
     config = SimpleNamespace(**data)
-    params = rope_parameters(config)
-    if (params.get("rope_type", params.get("type", "default")) or "default") != "default":
+    if rope_type_of(config) != "default":
         return None  # scaled rope: transformers' own definitions need its config object
     return config
 

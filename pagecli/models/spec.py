@@ -53,7 +53,7 @@ class DecoderSpec:
         hidden_act = getattr(config, "hidden_act", "silu")
         if hidden_act not in ("silu", "swish"):
             raise ModelError(f"Activation '{hidden_act}' is not supported; pagecli's MLP is SwiGLU (silu).")
-        rope_type = _rope_type(config)
+        rope_type = rope_type_of(config)
         if rope_type not in _SUPPORTED_ROPE:
             raise ModelError(f"Rope scaling '{rope_type}' is not supported; supported: {', '.join(_SUPPORTED_ROPE)}.")
         num_heads = config.num_attention_heads
@@ -96,6 +96,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params)
 
 
-def _rope_type(config: Any) -> str:
+def rope_type_of(config: Any) -> str:
+    """The rope variant: "default" (plain), or a scaled one ("llama3", "linear", "yarn", ...)."""
     params = rope_parameters(config)
     return params.get("rope_type", params.get("type", "default")) or "default"

@@ -46,7 +46,9 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=1)
 def build_key() -> str:
+    """Names one build: the source, torch, the flags, this CPU and this Python."""
     import torch
 
     digest = hashlib.sha256()

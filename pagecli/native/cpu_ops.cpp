@@ -23,6 +23,13 @@
 #define PAGECLI_HAVE_BF16_DOT 0
 #endif
 
+// Runs __VA_ARGS__ (a lambda using scalar_t) for float32, bfloat16 or float16: the dtypes the
+// engine runs in (ATen's stock float dispatch includes double, which load16/store16 do not take).
+#define PAGECLI_DISPATCH(TYPE, NAME, ...)                                                      \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                     \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)               \
+                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -237,12 +244,9 @@ inline void tile_accumulate(float* acc, int64_t group, const float* w, int64_t s
 }
 #endif
 
-// Cache slots of tokens start .. start+n-1 of a sequence.
-inline void fill_tile_slots(int64_t* slots, const int32_t* table, int64_t block_size, int64_t start, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = start + i;
-    slots[i] = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-  }
+// The cache slot of token t of a sequence, from its block table.
+inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
+  return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
 }
 
 // One query token per sequence, the `group` query heads of a kv head together: scores for the
@@ -296,28 +300,38 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       }
       // scores[j * len + t]: one contiguous row per query head, so the exp pass is vectorized.
       scores.resize(static_cast<size_t>(len * width));
-#if defined(__AVX512F__)
-      if constexpr (CHUNKS > 0) {
+      // Both passes walk the context the same way: in tiles of up to 16 tokens when the head size
+      // has a vector version (visit(h, n, start) with tile_rows[i] = token start+i's row of kv
+      // head h0+h), else token by token (visit(h, t, row)).
+      auto for_each_tile = [&](const scalar_t* cache, auto&& visit) {
         for (int64_t start = 0; start < len; start += 16) {
           const int64_t n = std::min<int64_t>(16, len - start);
-          fill_tile_slots(tile_slots, table, block_size, start, n);
+          for (int64_t i = 0; i < n; ++i) tile_slots[i] = slot_of(table, block_size, start + i);
           for (int64_t h = 0; h < heads_per_task; ++h) {
-            for (int64_t i = 0; i < n; ++i) tile_rows[i] = k_ptr + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
-            tile_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, tile_rows, n,
-                                scores.data() + h * group * len + start, len, tile_buf);
+            for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
+            visit(h, n, start);
           }
         }
+      };
+      auto for_each_row = [&](const scalar_t* cache, auto&& visit) {
+        for (int64_t t = 0; t < len; ++t) {
+          const scalar_t* row = cache + slot_of(table, block_size, t) * slot_stride + h0 * head_dim;
+          for (int64_t h = 0; h < heads_per_task; ++h) visit(h, t, row + h * head_dim);
+        }
+      };
+#if defined(__AVX512F__)
+      if constexpr (CHUNKS > 0) {
+        for_each_tile(k_ptr, [&](int64_t h, int64_t n, int64_t start) {
+          tile_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, tile_rows, n,
+                              scores.data() + h * group * len + start, len, tile_buf);
+        });
       } else
 #endif
       {
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-          const scalar_t* k_row = k_ptr + slot * slot_stride + h0 * head_dim;
-          for (int64_t h = 0; h < heads_per_task; ++h) {
-            group_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, k_row + h * head_dim, head_dim,
-                                 scores.data() + h * group * len + t, len);
-          }
-        }
+        for_each_row(k_ptr, [&](int64_t h, int64_t t, const scalar_t* k_row) {
+          group_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, k_row, head_dim,
+                               scores.data() + h * group * len + t, len);
+        });
       }
       for (int64_t j = 0; j < width; ++j) {
         const float* row = scores.data() + j * len;
@@ -327,26 +341,17 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if constexpr (CHUNKS > 0) {
-        for (int64_t start = 0; start < len; start += 16) {
-          const int64_t n = std::min<int64_t>(16, len - start);
-          fill_tile_slots(tile_slots, table, block_size, start, n);
-          for (int64_t h = 0; h < heads_per_task; ++h) {
-            for (int64_t i = 0; i < n; ++i) tile_rows[i] = v_ptr + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
-            tile_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + start,
-                                    len, tile_rows, n, tile_buf);
-          }
-        }
+        for_each_tile(v_ptr, [&](int64_t h, int64_t n, int64_t start) {
+          tile_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + start,
+                                  len, tile_rows, n, tile_buf);
+        });
       } else
 #endif
       {
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-          const scalar_t* v_row = v_ptr + slot * slot_stride + h0 * head_dim;
-          for (int64_t h = 0; h < heads_per_task; ++h) {
-            group_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + t,
-                                     len, v_row + h * head_dim, head_dim);
-          }
-        }
+        for_each_row(v_ptr, [&](int64_t h, int64_t t, const scalar_t* v_row) {
+          group_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + t,
+                                   len, v_row, head_dim);
+        });
       }
       for (int64_t j = 0; j < width; ++j) {
         scalar_t* dst = o_ptr + s * o_s0 + (h0 * group + j) * o_s1;
@@ -387,14 +392,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
               "block_tables must be contiguous int32 with a row per sequence");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.size(0) >= query.size(0),
               "seq_lens must be contiguous int32 with an entry per sequence");
-  switch (query.scalar_type()) {
-    case at::kFloat: return paged_decode_for_dim<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case at::kBFloat16:
-      return paged_decode_for_dim<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case at::kHalf:
-      return paged_decode_for_dim<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    default: TORCH_CHECK(false, "paged_decode_attention takes float32, bfloat16 or float16");
-  }
+  PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
+    paged_decode_for_dim<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  });
 }
 
 #if PAGECLI_HAVE_BF16_DOT
@@ -524,12 +524,7 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
     d = &delta_c;
   }
   auto out = torch::empty_like(h);
-  switch (h.scalar_type()) {
-    case at::kFloat: add_rms_norm_impl<float>(h, d, weight, out, eps); break;
-    case at::kBFloat16: add_rms_norm_impl<c10::BFloat16>(h, d, weight, out, eps); break;
-    case at::kHalf: add_rms_norm_impl<c10::Half>(h, d, weight, out, eps); break;
-    default: TORCH_CHECK(false, "add_rms_norm takes float32, bfloat16 or float16");
-  }
+  PAGECLI_DISPATCH(h.scalar_type(), "add_rms_norm", [&] { add_rms_norm_impl<scalar_t>(h, d, weight, out, eps); });
   return out;
 }
 
@@ -569,14 +564,9 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
                   sin.is_contiguous() && cos.size(1) == x.size(2),
               "cos and sin must be contiguous float32 [positions, head_dim]");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  switch (x.scalar_type()) {
-    case at::kFloat: rotary_impl<float>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1)); break;
-    case at::kBFloat16:
-      rotary_impl<c10::BFloat16>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1));
-      break;
-    case at::kHalf: rotary_impl<c10::Half>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1)); break;
-    default: TORCH_CHECK(false, "rotary_ takes float32, bfloat16 or float16");
-  }
+  PAGECLI_DISPATCH(x.scalar_type(), "rotary_", [&] {
+    rotary_impl<scalar_t>(x, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1));
+  });
 }
 
 // silu(gate) * up for gate_up [rows, 2 * inter] = [gate | up]; returns [rows, inter].
@@ -611,12 +601,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [rows, 2 * intermediate] tensor");
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  switch (gate_up.scalar_type()) {
-    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
-    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(gate_up, out); break;
-    case at::kHalf: silu_mul_impl<c10::Half>(gate_up, out); break;
-    default: TORCH_CHECK(false, "silu_mul takes float32, bfloat16 or float16");
-  }
+  PAGECLI_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] { silu_mul_impl<scalar_t>(gate_up, out); });
   return out;
 }
 
