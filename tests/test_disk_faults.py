@@ -20,12 +20,12 @@ import pytest
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-from pagecli.engine.hashing import chain_hashes
 from pagecli.models.loader import load_model
 from pagecli.store import files, maintenance
 from pagecli.store.files import INDEX_NAME
 from pagecli.store.index import StoreIndex
 from test_disk_store import _blob_at_depth as blob_at_depth
+from test_disk_store import _stored_depths as stored_depths
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 37  # FILLER's 37 blocks push every block of PROMPT out of the pool
@@ -81,14 +81,6 @@ def disk_hits_of(engine: Engine, prompt: str) -> tuple[tuple[int, ...], int]:
     before = engine.stats().prefix_disk_hit_tokens
     out = engine.generate([prompt], GREEDY)[0]
     return out.token_ids, engine.stats().prefix_disk_hit_tokens - before
-
-
-def stored_depths(store: Path, engine: Engine, prompt: str) -> list[int]:
-    ids = engine.encode(prompt)
-    chain = chain_hashes(engine.kv.root_hash, ids, BLOCK_SIZE, len(ids) // BLOCK_SIZE)
-    with sqlite3.connect(store / INDEX_NAME) as conn:
-        stored = {r[0] for r in conn.execute("SELECT block_hash FROM blocks")}
-    return [depth for depth, h in enumerate(chain) if h in stored]
 
 
 def assert_consistent(store: Path) -> None:
