@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagecli import native
+from pagecli.attention import AttentionMetadata
 from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
@@ -193,3 +194,38 @@ def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, 
         "pagecli's CPU kernels are unavailable: building them failed (c++: error: unrecognized option); "
         "using the slower PyTorch path."
     ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 2, 3])  # bf16: the rows kernel up to 2 rows, oneDNN above
+def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_model_factory, arch, dtype, rows):
+    with Engine(str(tiny_model_factory(arch)), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
+        model, backend, runner = engine.loaded.model, engine.backend, engine.runner
+        assert model.decode_step is not None
+        gen = torch.Generator().manual_seed(rows)
+        caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
+        seq_lens = [5, 13, 30][:rows]
+        order = torch.randperm(caches.shape[2], generator=gen).tolist()
+        tables = [order[8 * i : 8 * i + -(-n // 4)] for i, n in enumerate(seq_lens)]
+        slots = [t[(n - 1) // 4] * 4 + (n - 1) % 4 for t, n in zip(tables, seq_lens)]
+        if rows == 3:
+            slots[1] = -1  # a padding row: its K/V is not stored
+        meta = AttentionMetadata.build([1] * rows, seq_lens, tables, slots, num_decode_seqs=rows)
+        ids = torch.randint(0, model.spec.vocab_size, (rows,), generator=gen)
+        positions = torch.tensor([n - 1 for n in seq_lens])
+
+        def run(cache):
+            with torch.inference_mode():
+                return model(ids, positions, cache, meta, backend)
+
+        cpp_cache, python_cache = caches.clone(), caches.clone()
+        from_cpp = run(cpp_cache)
+        step, model.decode_step = model.decode_step, None
+        try:
+            from_python = run(python_cache)
+        finally:
+            model.decode_step = step
+    assert torch.equal(from_cpp, from_python)
+    assert torch.equal(cpp_cache, python_cache)
+    assert not torch.equal(cpp_cache, caches)  # the new K/V was stored

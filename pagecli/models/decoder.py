@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
-from pagecli.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, RowsKernel, concat_linears, linear
+from pagecli.models.layers import (
+    ROWS_KERNEL_MAX_ROWS, Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, RowsKernel, concat_linears, linear,
+)
 from pagecli.models.spec import DecoderSpec
 
 
@@ -90,6 +92,8 @@ class CausalLM(nn.Module):
         self.rotary = rotary
 
     rows_kernel: RowsKernel | None = None
+    decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
+
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
@@ -109,6 +113,24 @@ class CausalLM(nn.Module):
                 module.kernel = ops.add_rms_norm
             elif isinstance(module, GatedMLP):
                 module.kernel = ops.silu_mul
+        # Decode-only steps run the whole layer loop in C++: the same kernels in the same order as
+        # forward() below, without the Python between them (a few ms per token for one stream).
+        self.decode_step = ops.DecodeStep(
+            [self._layer_tensors(layer) for layer in self.model.layers], self.model.norm.weight,
+            self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+            self.spec.rms_norm_eps, self.model.layers[0].self_attn.scale,
+            ROWS_KERNEL_MAX_ROWS if rows_kernel is not None else 0,
+        )
+
+    @staticmethod
+    def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
+        """One layer's tensors in the order DecodeStep takes them (cpu_ops.cpp)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = attn.q_norm.weight if attn.qk_norm else None
+        k_norm = attn.k_norm.weight if attn.qk_norm else None
+        return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
+                attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -123,6 +145,11 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden], the residual stream
+        # The C++ loop stands for the torch backend with the same kernels (decodes only).
+        if (self.decode_step is not None and meta.num_decode_seqs == meta.num_seqs
+                and getattr(backend, "cpu_ops", None) is not None):
+            return self.decode_step.forward(h, positions, kv_caches, meta.block_tables, meta.seq_lens,
+                                            meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer.input_layernorm.add_and_norm(h, delta)
