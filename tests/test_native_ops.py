@@ -92,6 +92,38 @@ def test_paged_decode_splits_work_the_same_way_for_any_thread_count(ops, num_seq
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])  # 80, 32 (of 36), 32 (of 40) shared tokens
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_over_a_shared_prefix_is_bit_identical_to_one_sequence_at_a_time(ops, dtype, block_size,
+                                                                                      shared_blocks, threads):
+    # Sequences whose tables start with the same blocks (prefix-cache hits on one system prompt) are
+    # handled together, the prefix tiles read once for all of them; each must get exactly what it
+    # gets alone, where nothing is shared.
+    seq_lens = [shared_blocks * block_size + extra for extra in (0, 1, 7, 16, 40, 3)]
+    query, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=block_size, kv_heads=3, group=3, head_dim=64, dtype=dtype, seed=block_size
+    )
+    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    n = len(seq_lens)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch.empty_like(query[:n])
+        ops.paged_decode_attention(together, query[:n], k_cache, v_cache, tables, lens, 0.125)
+        alone = torch.empty_like(query[:n])
+        for i in range(n):
+            ops.paged_decode_attention(alone[i : i + 1], query[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                       lens[i : i + 1], 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(together, alone)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    expected = reference_paged_attention(query[:n].float(), k_cache, v_cache, tables, starts, lens, 0.125)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(together.float(), expected, atol=atol, rtol=rtol)
+
+
 def test_paged_decode_refuses_mismatched_inputs(ops):
     query, k_cache, v_cache, tables, lens = paged_decode_case(
         [5], block_size=4, kv_heads=2, group=2, head_dim=64, dtype=torch.float32
@@ -103,7 +135,7 @@ def test_paged_decode_refuses_mismatched_inputs(ops):
         ops.paged_decode_attention(out, query[:1], k_cache, v_cache, tables.long(), lens, 0.1)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # 3 and more: blocks of 4 rows
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (100, 7), (64, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_rows_linear_matches_float32_math(ops, rows, in_features, out_features, bias):
@@ -198,18 +230,18 @@ def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 2, 3])  # bf16: the rows kernel up to 2 rows, oneDNN above
+@pytest.mark.parametrize("rows", [1, 2, 5])  # bf16: the rows kernel up to 4 rows, oneDNN above
 def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_model_factory, arch, dtype, rows):
     with Engine(str(tiny_model_factory(arch)), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
         model, backend, runner = engine.loaded.model, engine.backend, engine.runner
         assert model.decode_step is not None
         gen = torch.Generator().manual_seed(rows)
         caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
-        seq_lens = [5, 13, 30][:rows]
+        seq_lens = [5, 13, 30, 2, 17][:rows]
         order = torch.randperm(caches.shape[2], generator=gen).tolist()
         tables = [order[8 * i : 8 * i + -(-n // 4)] for i, n in enumerate(seq_lens)]
         slots = [t[(n - 1) // 4] * 4 + (n - 1) % 4 for t, n in zip(tables, seq_lens)]
-        if rows == 3:
+        if rows == 5:
             slots[1] = -1  # a padding row: its K/V is not stored
         meta = AttentionMetadata.build([1] * rows, seq_lens, tables, slots, num_decode_seqs=rows)
         ids = torch.randint(0, model.spec.vocab_size, (rows,), generator=gen)

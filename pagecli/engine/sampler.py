@@ -26,8 +26,9 @@ def make_generator(sampling: SamplingParams) -> torch.Generator | None:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [num_seqs, vocab] (any dtype, any device); returns one token id per sequence."""
     logits = logits.cpu()
-    # Plain greedy rows (the common case of a batch) take one argmax for all of them.
-    chosen = logits.argmax(dim=-1).tolist()
+    # Plain greedy rows (the common case of a batch) take one argmax for all of them. max() gives
+    # the same index (the first of equal maxima) and is about 4x faster than argmax() on bfloat16.
+    chosen = logits.max(dim=-1).indices.tolist()
     for row, seq in enumerate(seqs):
         params = seq.sampling
         if params.greedy and params.repetition_penalty == 1.0:

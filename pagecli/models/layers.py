@@ -81,15 +81,16 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-# Up to this many rows, pagecli's compiled bf16 kernel beats oneDNN's bf16 matmul, which costs the
-# same for 1 row as for 16 (docs/BENCHMARKS.md, "CPU kernels").
-ROWS_KERNEL_MAX_ROWS = 2
+# Up to this many rows, pagecli's compiled bf16 kernel beats oneDNN's bf16 matmul, which costs about
+# the same for 1 row as for 16 (docs/BENCHMARKS.md, "CPU kernels"): SmolLM2's weights for 1-4 rows
+# take 11-14 ms with the kernel, 21-24 ms with oneDNN; at 8 rows they tie.
+ROWS_KERNEL_MAX_ROWS = 4
 RowsKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            rows_kernel: RowsKernel | None = None) -> torch.Tensor:
-    """F.linear, or rows_kernel for a bf16 product of a few rows (decode of one or two sequences)."""
+    """F.linear, or rows_kernel for a bf16 product of a few rows (decode of up to four sequences)."""
     if rows_kernel is not None and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
         return rows_kernel(x, weight, bias)
     return nn.functional.linear(x, weight, bias)

@@ -201,15 +201,19 @@ inline __m512 sum_lanes_16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
 }
 
-// Scores of up to 16 tokens (rows[i] = token i's K row of one kv head) for the group's query
-// heads: out[g * stride + i] = q_g . k_i. The rows are widened to fp32 once, into buf.
+// Widens up to 16 cache rows (rows[i]: token i's row of one kv head) to fp32 in buf, D floats apart.
 template <int CHUNKS, typename scalar_t>
-inline void tile_scores(const float* q, int64_t group, const scalar_t* const* rows, int64_t n, float* out,
-                        int64_t stride, float* buf) {
+inline void widen_tile(const scalar_t* const* rows, int64_t n, float* buf) {
   constexpr int D = CHUNKS * 16;
   for (int64_t i = 0; i < n; ++i) {
     for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(buf + i * D + 16 * c, load16(rows[i] + 16 * c));
   }
+}
+
+// Scores of up to 16 widened K rows for the group's query heads: out[g * stride + i] = q_g . k_i.
+template <int CHUNKS>
+inline void widened_scores(const float* q, int64_t group, int64_t n, float* out, int64_t stride, const float* buf) {
+  constexpr int D = CHUNKS * 16;
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   for (int64_t g = 0; g < group; ++g) {
     __m512 qv[CHUNKS];
@@ -225,14 +229,10 @@ inline void tile_scores(const float* q, int64_t group, const scalar_t* const* ro
   }
 }
 
-// acc[g] += sum over the tile's tokens i of w[g * stride + i] * v_i, V rows widened once into buf.
-template <int CHUNKS, typename scalar_t>
-inline void tile_accumulate(float* acc, int64_t group, const float* w, int64_t stride, const scalar_t* const* rows,
-                            int64_t n, float* buf) {
+// acc[g] += sum over the tile's tokens i of w[g * stride + i] * v_i, for up to 16 widened V rows.
+template <int CHUNKS>
+inline void widened_accumulate(float* acc, int64_t group, const float* w, int64_t stride, int64_t n, const float* buf) {
   constexpr int D = CHUNKS * 16;
-  for (int64_t i = 0; i < n; ++i) {
-    for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(buf + i * D + 16 * c, load16(rows[i] + 16 * c));
-  }
   for (int64_t g = 0; g < group; ++g) {
     __m512 o[CHUNKS];
     for (int c = 0; c < CHUNKS; ++c) o[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
@@ -250,9 +250,30 @@ inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
   return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
 }
 
+// Tokens [0, result) of every sequence lie in the same blocks (a prompt prefix they share through
+// the prefix cache), rounded down to whole 16-token tiles; 0 when there is no such prefix.
+inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs,
+                                    int64_t block_size) {
+  if (num_seqs < 2) return 0;
+  int64_t full_blocks = std::numeric_limits<int64_t>::max();  // blocks every context fills
+  for (int64_t s = 0; s < num_seqs; ++s) full_blocks = std::min<int64_t>(full_blocks, lens[s] / block_size);
+  int64_t common = 0;
+  for (; common < full_blocks; ++common) {
+    bool same = true;
+    for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * max_blocks + common] == tables[common];
+    if (!same) break;
+  }
+  return common * block_size / 16 * 16;
+}
+
 // One query token per sequence, the `group` query heads of a kv head together: scores for the
 // whole context (two passes: softmax in fp32, then the weighted sum of V), reading K and V
 // straight from the blocks named by the block table.
+//
+// When every sequence starts with the same blocks (a shared system prompt), a task takes one kv
+// head for a run of sequences and widens each tile of the shared prefix once for all of them,
+// instead of once per sequence. Every query row still sees the same tiles in the same order, with
+// the same arithmetic, so the results are bit-identical either way.
 template <int CHUNKS, typename scalar_t>
 void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -276,88 +297,126 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t slot_stride = kv_heads * head_dim;  // one token of one block
   const float fscale = static_cast<float>(scale);
+  const int64_t threads = at::get_num_threads();
 
-  // A task is one sequence and a range of its kv heads: all kv heads when there are sequences enough
-  // to keep every thread busy (K/V rows are then read front to back, a block at a time), one kv
-  // head per task otherwise (a single long chat).
-  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t tasks_per_seq = kv_heads / heads_per_task;
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    const int64_t width = heads_per_task * group;  // query heads of one task
-    std::vector<float> q_buf(width * head_dim);
-    std::vector<float> acc(width * head_dim);
-    std::vector<float> scores, row_max(width), denom(width);
+  // A task is a run of sequences [s_begin, s_end) and a range of kv heads [h0, h0 + heads_per_task).
+  //  - shared prefix: one kv head per task, the sequences split into about 2 * threads / kv_heads
+  //    runs so every thread has work;
+  //  - otherwise one sequence per task, with all its kv heads when there are sequences enough to
+  //    keep every thread busy (K/V rows are then read front to back, a block at a time), one kv
+  //    head per task otherwise (a single long chat).
+  const int64_t shared = CHUNKS > 0 ? shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) : 0;
+  const int64_t heads_per_task = shared == 0 && num_seqs >= 2 * threads ? kv_heads : 1;
+  const int64_t seq_runs = shared > 0 ? std::min<int64_t>(num_seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads))
+                                      : num_seqs;
+  const int64_t head_tasks = kv_heads / heads_per_task;
+  at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
+    std::vector<float> q_buf, acc, scores, row_max, denom;
+    std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
     int64_t tile_slots[16];
     const scalar_t* tile_rows[16];
     alignas(64) float tile_buf[16 * 16 * (CHUNKS > 0 ? CHUNKS : 1)];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / tasks_per_seq;
-      const int64_t h0 = task % tasks_per_seq * heads_per_task;
-      const int64_t len = lens[s];
-      const int32_t* table = tables + s * max_blocks;
-      for (int64_t j = 0; j < width; ++j) {
-        const scalar_t* src = q_ptr + s * q_s0 + (h0 * group + j) * q_s1;
-        for (int64_t d = 0; d < head_dim; ++d) q_buf[j * head_dim + d] = to_float(src[d]) * fscale;
+      const int64_t run = task / head_tasks;
+      const int64_t h0 = task % head_tasks * heads_per_task;
+      const int64_t s_begin = run * num_seqs / seq_runs, s_end = (run + 1) * num_seqs / seq_runs;
+      const int64_t seqs = s_end - s_begin;
+      q_buf.resize(seqs * width * head_dim);
+      acc.assign(seqs * width * head_dim, 0.f);
+      row_max.resize(seqs * width);
+      denom.resize(seqs * width);
+      score_offset.resize(seqs + 1);
+      score_offset[0] = 0;
+      for (int64_t j = 0; j < seqs; ++j) score_offset[j + 1] = score_offset[j] + width * lens[s_begin + j];
+      // scores[offset_j + r * len_j + t]: one contiguous row per query head, so the exp pass is vectorized.
+      scores.resize(score_offset[seqs]);
+      for (int64_t j = 0; j < seqs; ++j) {
+        for (int64_t r = 0; r < width; ++r) {
+          const scalar_t* src = q_ptr + (s_begin + j) * q_s0 + (h0 * group + r) * q_s1;
+          float* dst = q_buf.data() + (j * width + r) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * fscale;
+        }
       }
-      // scores[j * len + t]: one contiguous row per query head, so the exp pass is vectorized.
-      scores.resize(static_cast<size_t>(len * width));
-      // Both passes walk the context the same way: in tiles of up to 16 tokens when the head size
-      // has a vector version (visit(h, n, start) with tile_rows[i] = token start+i's row of kv
-      // head h0+h), else token by token (visit(h, t, row)).
+      // Both passes walk each context the same way: in tiles of 16 tokens from its start when the
+      // head size has a vector version (visit(j, h, n, start) with tile_rows[i] = token start+i's
+      // row of kv head h0+h), else token by token (visit(j, h, t, row)). The shared tiles are read
+      // once for the task's sequences (through the first one's block table).
       auto for_each_tile = [&](const scalar_t* cache, auto&& visit) {
-        for (int64_t start = 0; start < len; start += 16) {
-          const int64_t n = std::min<int64_t>(16, len - start);
+        auto load_tile = [&](const int32_t* table, int64_t start, int64_t n, int64_t h) {
           for (int64_t i = 0; i < n; ++i) tile_slots[i] = slot_of(table, block_size, start + i);
-          for (int64_t h = 0; h < heads_per_task; ++h) {
-            for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
-            visit(h, n, start);
+          for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
+        };
+        for (int64_t start = 0; start < shared; start += 16) {
+          load_tile(tables + s_begin * max_blocks, start, 16, 0);
+          for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start, j == 0);
+        }
+        for (int64_t j = 0; j < seqs; ++j) {
+          const int64_t len = lens[s_begin + j];
+          for (int64_t start = shared; start < len; start += 16) {
+            const int64_t n = std::min<int64_t>(16, len - start);
+            for (int64_t h = 0; h < heads_per_task; ++h) {
+              load_tile(tables + (s_begin + j) * max_blocks, start, n, h);
+              visit(j, h, n, start, true);
+            }
           }
         }
       };
       auto for_each_row = [&](const scalar_t* cache, auto&& visit) {
-        for (int64_t t = 0; t < len; ++t) {
-          const scalar_t* row = cache + slot_of(table, block_size, t) * slot_stride + h0 * head_dim;
-          for (int64_t h = 0; h < heads_per_task; ++h) visit(h, t, row + h * head_dim);
+        for (int64_t j = 0; j < seqs; ++j) {
+          const int32_t* table = tables + (s_begin + j) * max_blocks;
+          for (int64_t t = 0; t < lens[s_begin + j]; ++t) {
+            const scalar_t* row = cache + slot_of(table, block_size, t) * slot_stride + h0 * head_dim;
+            for (int64_t h = 0; h < heads_per_task; ++h) visit(j, h, t, row + h * head_dim);
+          }
         }
       };
+      auto q_of = [&](int64_t j, int64_t h) { return q_buf.data() + (j * width + h * group) * head_dim; };
+      auto scores_of = [&](int64_t j, int64_t h) {
+        return scores.data() + score_offset[j] + h * group * lens[s_begin + j];
+      };
+      auto acc_of = [&](int64_t j, int64_t h) { return acc.data() + (j * width + h * group) * head_dim; };
 #if defined(__AVX512F__)
       if constexpr (CHUNKS > 0) {
-        for_each_tile(k_ptr, [&](int64_t h, int64_t n, int64_t start) {
-          tile_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, tile_rows, n,
-                              scores.data() + h * group * len + start, len, tile_buf);
+        for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool fresh_tile) {
+          if (fresh_tile) widen_tile<CHUNKS>(tile_rows, n, tile_buf);
+          widened_scores<CHUNKS>(q_of(j, h), group, n, scores_of(j, h) + start, lens[s_begin + j], tile_buf);
         });
       } else
 #endif
       {
-        for_each_row(k_ptr, [&](int64_t h, int64_t t, const scalar_t* k_row) {
-          group_scores<CHUNKS>(q_buf.data() + h * group * head_dim, group, k_row, head_dim,
-                               scores.data() + h * group * len + t, len);
+        for_each_row(k_ptr, [&](int64_t j, int64_t h, int64_t t, const scalar_t* k_row) {
+          group_scores<CHUNKS>(q_of(j, h), group, k_row, head_dim, scores_of(j, h) + t, lens[s_begin + j]);
         });
       }
-      for (int64_t j = 0; j < width; ++j) {
-        const float* row = scores.data() + j * len;
-        row_max[j] = *std::max_element(row, row + len);
-        denom[j] = exp_shifted_sum(scores.data() + j * len, len, row_max[j]);
+      for (int64_t j = 0; j < seqs; ++j) {
+        const int64_t len = lens[s_begin + j];
+        for (int64_t r = 0; r < width; ++r) {
+          float* row = scores.data() + score_offset[j] + r * len;
+          row_max[j * width + r] = *std::max_element(row, row + len);
+          denom[j * width + r] = exp_shifted_sum(row, len, row_max[j * width + r]);
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if constexpr (CHUNKS > 0) {
-        for_each_tile(v_ptr, [&](int64_t h, int64_t n, int64_t start) {
-          tile_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + start,
-                                  len, tile_rows, n, tile_buf);
+        for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool fresh_tile) {
+          if (fresh_tile) widen_tile<CHUNKS>(tile_rows, n, tile_buf);
+          widened_accumulate<CHUNKS>(acc_of(j, h), group, scores_of(j, h) + start, lens[s_begin + j], n, tile_buf);
         });
       } else
 #endif
       {
-        for_each_row(v_ptr, [&](int64_t h, int64_t t, const scalar_t* v_row) {
-          group_accumulate<CHUNKS>(acc.data() + h * group * head_dim, group, scores.data() + h * group * len + t,
-                                   len, v_row, head_dim);
+        for_each_row(v_ptr, [&](int64_t j, int64_t h, int64_t t, const scalar_t* v_row) {
+          group_accumulate<CHUNKS>(acc_of(j, h), group, scores_of(j, h) + t, lens[s_begin + j], v_row, head_dim);
         });
       }
-      for (int64_t j = 0; j < width; ++j) {
-        scalar_t* dst = o_ptr + s * o_s0 + (h0 * group + j) * o_s1;
-        const float inv = 1.f / denom[j];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[j * head_dim + d] * inv);
+      for (int64_t j = 0; j < seqs; ++j) {
+        for (int64_t r = 0; r < width; ++r) {
+          scalar_t* dst = o_ptr + (s_begin + j) * o_s0 + (h0 * group + r) * o_s1;
+          const float* a = acc.data() + (j * width + r) * head_dim;
+          const float inv = 1.f / denom[j * width + r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+        }
       }
     }
   });
@@ -432,10 +491,56 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
   // While reading a tile, prefetch the same line of the next tile: the hardware prefetcher alone
   // leaves a core at about 60% of its read bandwidth here (18 ms -> 11 ms for SmolLM2's weights).
   const char* w_end = reinterpret_cast<const char*>(wp + N * K);
+  auto store = [&](int64_t m, int64_t n, float v) {
+    if (bp) v += static_cast<float>(bp[n]);
+    yp[m * N + n] = static_cast<c10::BFloat16>(v);
+  };
+  // More rows: blocks of 4 x rows against the tile's 4 weight rows, 16 accumulators summed by one
+  // transpose-add tree. The tile stays in L1 across the row blocks, so the weights are still read
+  // from memory once (oneDNN's bf16 matmul, which does not prefetch, takes about twice as long).
+  constexpr int64_t MB = 4;
+  auto rows_blocks = [&](int64_t n0, int64_t rows) {
+    const c10::BFloat16* wr[R];
+    for (int64_t r = 0; r < R; ++r) wr[r] = wp + (n0 + std::min(r, rows - 1)) * K;  // spare lanes repeat a row
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t m_rows = std::min(MB, M - m0);
+      const c10::BFloat16* xr[MB];
+      for (int64_t i = 0; i < MB; ++i) xr[i] = xp + (m0 + std::min(i, m_rows - 1)) * K;
+      __m512 acc[MB * R];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      auto step = [&](int64_t k, __mmask32 mask) {
+        __m512i wv[R];
+        for (int64_t r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, wr[r] + k);
+        for (int64_t i = 0; i < MB; ++i) {
+          const __m512i xv = _mm512_maskz_loadu_epi16(mask, xr[i] + k);
+          for (int64_t r = 0; r < R; ++r) acc[i * R + r] = _mm512_dpbf16_ps(acc[i * R + r], (__m512bh)xv, (__m512bh)wv[r]);
+        }
+      };
+      for (int64_t k = 0; k < full; k += 32) {
+        if (m0 == 0) {
+          for (int64_t r = 0; r < R; ++r) {
+            const char* ahead = reinterpret_cast<const char*>(wr[r] + k + R * K);
+            if (ahead < w_end) _mm_prefetch(ahead, _MM_HINT_T0);
+          }
+        }
+        step(k, 0xFFFFFFFFu);
+      }
+      if (tail) step(full, tail);
+      alignas(64) float sums[MB * R];
+      _mm512_store_ps(sums, sum_lanes_16(acc));
+      for (int64_t i = 0; i < m_rows; ++i) {
+        for (int64_t r = 0; r < rows; ++r) store(m0 + i, n0 + r, sums[i * R + r]);
+      }
+    }
+  };
   at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * R;
       const int64_t rows = std::min<int64_t>(R, N - n0);
+      if (M > 2) {
+        rows_blocks(n0, rows);
+        continue;
+      }
       for (int64_t m = 0; m < M; ++m) {
         const c10::BFloat16* xr = xp + m * K;
         __m512 acc[R] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -450,11 +555,7 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
         if (tail) {
           for (int64_t r = 0; r < rows; ++r) acc[r] = bf16_dot_step(acc[r], xr + full, wp + (n0 + r) * K + full, tail);
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          float v = _mm512_reduce_add_ps(acc[r]);
-          if (bp) v += static_cast<float>(bp[n0 + r]);
-          yp[m * N + n0 + r] = static_cast<c10::BFloat16>(v);
-        }
+        for (int64_t r = 0; r < rows; ++r) store(m, n0 + r, _mm512_reduce_add_ps(acc[r]));
       }
     }
   });
