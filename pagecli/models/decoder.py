@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
 
     def use_cpu_ops(self, ops: Any) -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and few-row bf16
-        products (decode of one or two sequences) with its bf16 kernel where the CPU has one."""
+        products (decode of up to four sequences) with its bf16 kernel where the CPU has one."""
         rows_kernel = ops.linear_bf16_rows if ops.has_bf16_linear() and self.output_weight.dtype == torch.bfloat16 else None
         self.rows_kernel = rows_kernel
         self.rotary.kernel = ops.rotary_

@@ -1,0 +1,97 @@
+"""pagecli's CPU kernels on SmolLM2-135M's shapes, against what they replace.
+
+    .venv/bin/python scripts/bench_cpu_kernels.py [--threads 2]
+
+Prints, best of several repeats (run it on an otherwise idle machine):
+  weights   every projection of the 30 layers and the 49,152-row output layer, once, for 1..16
+            rows: pagecli's bf16 rows kernel against F.linear (oneDNN), and a plain read of the
+            same bytes (the memory floor)
+  attention one decode step's paged attention (30 layers) for 16 sequences of ~1,550 tokens, with
+            and without a shared 1,500-token prefix in their block tables
+  step      one decode token through the whole model (no engine): DecodeStep (C++) against the
+            Python layer loop with the same kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagecli.attention import AttentionMetadata
+from pagecli.config import EngineConfig
+from pagecli.engine import Engine
+
+
+def best_ms(fn: Callable[[], object], inner: int = 5, repeats: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(None, EngineConfig(dtype="bfloat16", disk_cache=False))
+    model, runner, backend = engine.loaded.model, engine.runner, engine.backend
+    ops = backend.cpu_ops
+    if ops is None or not ops.has_bf16_linear():
+        raise SystemExit("needs pagecli's CPU kernels with AVX512-BF16")
+    print(f"threads: {args.threads}")
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.output_weight]
+    total = sum(w.numel() * w.element_size() for w in weights)
+    flat = torch.cat([w.flatten() for w in weights]).view(torch.float32)  # the same bytes, contiguous
+    read = best_ms(lambda: flat.sum())
+    print(f"weights: {total / 1e6:.0f} MB; plain read (torch sum): {read:.2f} ms ({total / read / 1e6:.1f} GB/s)")
+    for rows in (1, 2, 3, 4, 8, 16):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
+        ours = best_ms(lambda: [ops.linear_bf16_rows(xs[w.shape[1]], w, None) for w in weights])
+        onednn = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+        print(f"  {rows:2d} rows: rows kernel {ours:6.2f} ms   F.linear {onednn:6.2f} ms")
+
+    bs, seqs, prefix = runner.block_size, 16, 1504
+    shared = list(range(1, prefix // bs + 1))
+    private = iter(range(len(shared) + 1, runner.kv_caches.shape[2]))
+    lens = [prefix + 10 + 3 * i for i in range(seqs)]
+    for label, tables in (
+        ("shared prefix", [shared + [next(private) for _ in range(2)] for _ in range(seqs)]),
+        ("no sharing", [[next(private) for _ in range(-(-n // bs))] for n in lens]),
+    ):
+        meta = AttentionMetadata.build([1] * seqs, lens, tables, [0] * seqs, seqs)
+        q = torch.randn(seqs, model.spec.num_heads, model.spec.head_dim).bfloat16()
+        out = torch.empty_like(q)
+        k_cache, v_cache = runner.kv_caches[0, 0], runner.kv_caches[0, 1]
+        ms = best_ms(lambda: [ops.paged_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                         0.125) for _ in range(model.spec.num_layers)])
+        print(f"attention, {seqs} sequences of ~{lens[0]} tokens, {label}: {ms:.2f} ms per step")
+
+    length = 400
+    table = list(range(1, length // bs + 2))
+    meta = AttentionMetadata.build([1], [length], [table], [table[(length - 1) // bs] * bs + (length - 1) % bs], 1)
+    ids, positions = torch.tensor([42]), torch.tensor([length - 1])
+
+    def token() -> None:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, positions, runner.kv_caches, meta, backend))
+
+    in_cpp = best_ms(token, inner=20)
+    step, model.decode_step = model.decode_step, None
+    in_python = best_ms(token, inner=20)
+    model.decode_step = step
+    print(f"one token at {length} tokens of context, model + output layer: DecodeStep {in_cpp:.2f} ms, "
+          f"Python layer loop {in_python:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
