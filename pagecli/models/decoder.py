@@ -94,7 +94,6 @@ class CausalLM(nn.Module):
     rows_kernel: RowsKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
 
-
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()

@@ -312,7 +312,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t head_tasks = kv_heads / heads_per_task;
   at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
-    std::vector<float> q_buf, acc, scores, row_max, denom;
+    std::vector<float> q_buf, acc, scores, denom;
     std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
     int64_t tile_slots[16];
     const scalar_t* tile_rows[16];
@@ -324,7 +324,6 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
       acc.assign(seqs * width * head_dim, 0.f);
-      row_max.resize(seqs * width);
       denom.resize(seqs * width);
       score_offset.resize(seqs + 1);
       score_offset[0] = 0;
@@ -393,8 +392,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
         const int64_t len = lens[s_begin + j];
         for (int64_t r = 0; r < width; ++r) {
           float* row = scores.data() + score_offset[j] + r * len;
-          row_max[j * width + r] = *std::max_element(row, row + len);
-          denom[j * width + r] = exp_shifted_sum(row, len, row_max[j * width + r]);
+          denom[j * width + r] = exp_shifted_sum(row, len, *std::max_element(row, row + len));
         }
       }
 #if defined(__AVX512F__)
