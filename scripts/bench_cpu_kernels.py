@@ -3,9 +3,9 @@
     .venv/bin/python scripts/bench_cpu_kernels.py [--threads 2]
 
 Prints, best of several repeats (run it on an otherwise idle machine):
-  weights   every projection of the 30 layers and the 49,152-row output layer, once, for 1..16
-            rows: pagecli's bf16 rows kernel against F.linear (oneDNN), and a plain read of the
-            same bytes (the memory floor)
+  weights   every projection of the 30 layers and the 49,152-row output layer, once, for 1..128
+            rows: pagecli's AMX and bf16 rows kernels against F.linear (oneDNN), and a plain read
+            of the same bytes (the memory floor); whether AMX gives oneDNN's bits
   attention one decode step's paged attention (30 layers) for 16 sequences of ~1,550 tokens, with
             and without a shared 1,500-token prefix in their block tables
   step      one decode token through the whole model (no engine): DecodeStep (C++) against the
@@ -54,11 +54,18 @@ def main() -> None:
     flat = torch.cat([w.flatten() for w in weights]).view(torch.float32)  # the same bytes, contiguous
     read = best_ms(lambda: flat.sum())
     print(f"weights: {total / 1e6:.0f} MB; plain read (torch sum): {read:.2f} ms ({total / read / 1e6:.1f} GB/s)")
-    for rows in (1, 2, 3, 4, 8, 16):
+    for rows in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256):
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
-        ours = best_ms(lambda: [ops.linear_bf16_rows(xs[w.shape[1]], w, None) for w in weights])
         onednn = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
-        print(f"  {rows:2d} rows: rows kernel {ours:6.2f} ms   F.linear {onednn:6.2f} ms")
+        line = f"  {rows:3d} rows: F.linear {onednn:6.2f} ms"
+        if rows <= 16:
+            line += f"   rows kernel {best_ms(lambda: [ops.linear_bf16_rows(xs[w.shape[1]], w, None) for w in weights]):6.2f} ms"
+        if ops.has_amx():
+            amx = best_ms(lambda: [ops.linear_bf16_amx(xs[w.shape[1]], w, None) for w in weights])
+            same = all(torch.equal(ops.linear_bf16_amx(xs[w.shape[1]], w, None), F.linear(xs[w.shape[1]], w))
+                       for w in weights)
+            line += f"   AMX {amx:6.2f} ms ({'the same bits as' if same else 'not bit-identical to'} F.linear)"
+        print(line, flush=True)
 
     bs, seqs, prefix = runner.block_size, 16, 1504
     shared = list(range(1, prefix // bs + 1))

@@ -151,6 +151,53 @@ def test_bf16_rows_linear_matches_float32_math(ops, rows, in_features, out_featu
     torch.testing.assert_close(got.float(), expected, atol=1e-2 * math.sqrt(in_features), rtol=1e-2)
 
 
+def bf16_product_case(rows, in_features, out_features, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed + rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 65, 130])  # blocks of 16 rows, 4 blocks per pass
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (64, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_float32_math(ops, rows, in_features, out_features, bias):
+    if not ops.has_amx():
+        pytest.skip("this CPU (or its OS) gives no AMX tiles, so the engine uses the other kernels")
+    x, w, b = bf16_product_case(rows, in_features, out_features, bias)
+    got = ops.linear_bf16_amx(x, w, b)
+    expected = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), expected, atol=1e-2 * math.sqrt(in_features), rtol=1e-2)
+
+
+def test_amx_linear_refuses_shapes_its_tiles_do_not_fit(ops):
+    if not ops.has_amx():
+        pytest.skip("no AMX tiles here")
+    x, w, _ = bf16_product_case(3, 100, 16, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_bf16_amx(x, w, None)
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 576, 960), (3, 100, 7), (5, 100, 7), (5, 576, 960), (129, 64, 16)])
+def test_the_engine_linear_picks_a_kernel_by_shape_and_dtype(ops, rows, in_features, out_features):
+    x, w, b = bf16_product_case(rows, in_features, out_features, True)
+    tiles_fit = in_features % 32 == 0 and out_features % 16 == 0
+    if ops.has_amx() and tiles_fit and rows <= 128:
+        expected = ops.linear_bf16_amx(x, w, b)
+    elif ops.has_bf16_linear() and rows <= 4:
+        expected = ops.linear_bf16_rows(x, w, b)
+    else:
+        expected = torch.nn.functional.linear(x, w, b)
+    assert torch.equal(ops.linear(x, w, b), expected)
+    # A transposed (non-contiguous) weight and float32 go to at::linear.
+    assert torch.equal(ops.linear(x, w.T.contiguous().T, b), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(ops.linear(x.float(), w.float(), b.float()),
+                       torch.nn.functional.linear(x.float(), w.float(), b.float()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_matches_the_module(ops, dtype, with_delta):
@@ -230,7 +277,7 @@ def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 2, 5])  # bf16: the rows kernel up to 4 rows, oneDNN above
+@pytest.mark.parametrize("rows", [1, 2, 5])  # bf16: AMX tiles, or the rows kernel up to 4 rows and oneDNN above
 def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_model_factory, arch, dtype, rows):
     with Engine(str(tiny_model_factory(arch)), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
         model, backend, runner = engine.loaded.model, engine.backend, engine.runner

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
 from pagecli.models.layers import (
-    ROWS_KERNEL_MAX_ROWS, Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, RowsKernel, concat_linears, linear,
+    Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
 from pagecli.models.spec import DecoderSpec
 
@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
 
-    rows_kernel: RowsKernel | None = None
+    linear_kernel: LinearKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
 
     def fuse_projections(self) -> None:
@@ -100,14 +100,14 @@ class CausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     def use_cpu_ops(self, ops: Any) -> None:
-        """Run the elementwise steps with pagecli.native's fused CPU kernels, and few-row bf16
-        products (decode of up to four sequences) with its bf16 kernel where the CPU has one."""
-        rows_kernel = ops.linear_bf16_rows if ops.has_bf16_linear() and self.output_weight.dtype == torch.bfloat16 else None
-        self.rows_kernel = rows_kernel
+        """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with
+        its matmul (AMX tiles or AVX512-BF16 for the few rows of a decode step, where the CPU has them)."""
+        linear_kernel = ops.linear if self.output_weight.dtype == torch.bfloat16 else None
+        self.linear_kernel = linear_kernel
         self.rotary.kernel = ops.rotary_
         for module in self.modules():
             if isinstance(module, Linear):
-                module.rows_kernel = rows_kernel
+                module.kernel = linear_kernel
             elif isinstance(module, RMSNorm):
                 module.kernel = ops.add_rms_norm
             elif isinstance(module, GatedMLP):
@@ -118,7 +118,6 @@ class CausalLM(nn.Module):
             [self._layer_tensors(layer) for layer in self.model.layers], self.model.norm.weight,
             self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
             self.spec.rms_norm_eps, self.model.layers[0].self_attn.scale,
-            ROWS_KERNEL_MAX_ROWS if rows_kernel is not None else 0,
         )
 
     @staticmethod
@@ -158,4 +157,4 @@ class CausalLM(nn.Module):
         return self.model.norm.add_and_norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.output_weight, None, self.rows_kernel)  # [num_selected, vocab]
+        return linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]

@@ -81,33 +81,31 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-# Up to this many rows, pagecli's compiled bf16 kernel beats oneDNN's bf16 matmul, which costs about
-# the same for 1 row as for 16 (docs/BENCHMARKS.md, "CPU kernels"): SmolLM2's weights for 1-4 rows
-# take 11-14 ms with the kernel, 21-24 ms with oneDNN; at 8 rows they tie.
-ROWS_KERNEL_MAX_ROWS = 4
-RowsKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# pagecli.native's bf16 product: it picks AMX tiles, its few-row AVX512-BF16 kernel or oneDNN by
+# shape and CPU (cpu_ops.cpp, native_linear), and leaves any other dtype to F.linear.
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rows_kernel: RowsKernel | None = None) -> torch.Tensor:
-    """F.linear, or rows_kernel for a bf16 product of a few rows (decode of up to four sequences)."""
-    if rows_kernel is not None and x.dim() == 2 and x.shape[0] <= ROWS_KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
-        return rows_kernel(x, weight, bias)
+           kernel: LinearKernel | None = None) -> torch.Tensor:
+    """F.linear, or the compiled kernel for a bf16 product of a batch of token rows."""
+    if kernel is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+        return kernel(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameter names) that can hand few-row products to a compiled kernel.
+    """nn.Linear (same parameter names) that can hand bf16 products to a compiled kernel.
     Its weights always come from a checkpoint, so it skips the random init (which, on the meta
     device the model is built on, makes torch import its compiler stack: about 1.7 s)."""
 
-    rows_kernel: RowsKernel | None = None
+    kernel: LinearKernel | None = None
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.rows_kernel)
+        return linear(x, self.weight, self.bias, self.kernel)
 
 
 class Embedding(nn.Embedding):

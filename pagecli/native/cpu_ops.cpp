@@ -23,6 +23,13 @@
 #else
 #define PAGECLI_HAVE_BF16_DOT 0
 #endif
+#if PAGECLI_HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PAGECLI_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define PAGECLI_HAVE_AMX 0
+#endif
 
 // Runs __VA_ARGS__ (a lambda using scalar_t) for float32, bfloat16 or float16: the dtypes the
 // engine runs in (ATen's stock float dispatch includes double, which load16/store16 do not take).
@@ -563,6 +570,162 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
 #endif
 }
 
+#if PAGECLI_HAVE_AMX
+// Linux hands a process AMX's tile registers only once it asks for them (arch_prctl
+// ARCH_REQ_XCOMP_PERM for the XTILEDATA state component); asked once, for every thread.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// The tile register shapes (palette 1): every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias) on AMX tiles; K a multiple of 32, N of 16.
+// The weights are the A operand just as they lie in memory (a tile: 16 weight rows x 32 k), so
+// they are streamed once and never repacked; x goes once per call into the B operand's
+// pair-interleaved layout (16 k pairs x 16 rows x 2). A tile product then gives 16 outputs for
+// 16 rows of x. oneDNN's bf16 matmul (also on AMX here) takes about twice as long for up to 32
+// rows, which fits it reordering the weights into its own layout on every call; for these rows
+// the results are bit-identical to it (both sum over k in the same order, in fp32).
+// Tiles: 0-3 accumulate 4 blocks of 16 rows of x, 4 holds the weights, 5-6 x (alternating).
+torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(amx_granted(), "the kernel did not grant this process AMX tiles");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.is_contiguous() && w.size(1) % 32 == 0 && w.size(0) % 16 == 0,
+              "w must be contiguous, its rows a multiple of 32 long and their number a multiple of 16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t k_steps = K / 32, m_blocks = (M + 15) / 16;
+  // x^T, pair-interleaved: [k_steps, m_blocks, 16 k pairs, 16 rows] of 32-bit (2 x bf16) cells,
+  // rows past M zero.
+  auto packed = torch::empty({k_steps, m_blocks, 16, 16}, x.options().dtype(torch::kInt32));
+  const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+  uint32_t* pk = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  for (int64_t ks = 0; ks < k_steps; ++ks) {
+    for (int64_t mb = 0; mb < m_blocks; ++mb) {
+      uint32_t* tile = pk + (ks * m_blocks + mb) * 256;
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t m = mb * 16 + c;
+        for (int64_t kp = 0; kp < 16; ++kp) tile[kp * 16 + c] = m < M ? x_pairs[m * (K / 2) + ks * 16 + kp] : 0u;
+      }
+    }
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat).contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const char* w_end = reinterpret_cast<const char*>(wp + N * K);
+  constexpr int64_t kAhead = 4;  // k steps between a weight line's prefetch and its tile load
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    for (int t = 0; t < 7; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    alignas(64) float out[16 * 16];  // [16 weight rows, 16 rows of x]
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * 16;
+      const c10::BFloat16* a = wp + n0 * K;
+      for (int64_t mb0 = 0; mb0 < m_blocks; mb0 += 4) {
+        const int64_t mbs = std::min<int64_t>(4, m_blocks - mb0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < k_steps; ++ks) {
+          if (mb0 == 0) {
+            // The hardware prefetcher alone leaves a core well short of its read bandwidth on
+            // 16 strided rows; fetch each row's line kAhead steps on (the next block's near the end).
+            for (int64_t r = 0; r < 16; ++r) {
+              const int64_t ahead = ks + kAhead;
+              const c10::BFloat16* line = ahead < k_steps ? a + r * K + ahead * 32 : a + (16 + r) * K + (ahead - k_steps) * 32;
+              if (reinterpret_cast<const char*>(line) < w_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+            }
+          }
+          _tile_loadd(4, a + ks * 32, K * 2);
+          const uint32_t* xt = pk + (ks * m_blocks + mb0) * 256;
+          _tile_loadd(5, xt, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (mbs > 1) {
+            _tile_loadd(6, xt + 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (mbs > 2) {
+            _tile_loadd(5, xt + 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (mbs > 3) {
+            _tile_loadd(6, xt + 768, 64);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        const __m512 bias16 = bp ? _mm512_loadu_ps(bp + n0) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < mbs; ++j) {
+          switch (j) {  // tile numbers must be constants
+            case 0: _tile_stored(0, out, 64); break;
+            case 1: _tile_stored(1, out, 64); break;
+            case 2: _tile_stored(2, out, 64); break;
+            default: _tile_stored(3, out, 64); break;
+          }
+          const int64_t first = (mb0 + j) * 16, count = std::min<int64_t>(16, M - first);
+          for (int64_t c = 0; c < count; ++c) {  // column c of out: row first + c of y
+            const __m512 sums = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(c)), out, 4);
+            store16(yp + (first + c) * N + n0, _mm512_add_ps(sums, bias16));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
+bool has_amx() {
+#if PAGECLI_HAVE_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+// Up to this many rows, the AVX512-BF16 rows kernel beats oneDNN's bf16 matmul, which costs about
+// the same for 1 row as for 16 (docs/BENCHMARKS.md, "CPU kernels"): SmolLM2's weights for 1-4 rows
+// take 11-14 ms with the kernel, 21-24 ms with oneDNN; at 8 rows they tie.
+constexpr int64_t kRowsKernelMaxRows = 4;
+// Up to this many rows, AMX tiles over the weights as they lie beat oneDNN (docs/BENCHMARKS.md).
+constexpr int64_t kAmxMaxRows = 128;
+
+// The bf16 product x [M, K] @ w[N, K]^T (+ bias) the engine uses, by shape and CPU: AMX tiles,
+// else the rows kernel for a few rows, else at::linear (oneDNN; also every other dtype).
+torch::Tensor native_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  const bool bf16 = x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 &&
+                    w.is_contiguous();
+#if PAGECLI_HAVE_AMX
+  if (bf16 && x.size(0) <= kAmxMaxRows && w.size(1) % 32 == 0 && w.size(0) % 16 == 0 && amx_granted()) {
+    return linear_bf16_amx(x, w, bias);
+  }
+#endif
+  if (PAGECLI_HAVE_BF16_DOT && bf16 && x.size(0) <= kRowsKernelMaxRows) return linear_bf16_rows(x, w, bias);
+  return at::linear(x, w, bias);
+}
+
 // ---- Elementwise steps of a decoder layer, fused so each is one pass and one call -----------------
 // Each computes in fp32 and rounds where the PyTorch layers (pagecli/models/layers.py) round, so
 // float32 results match them to rounding and bf16 ones round at the same points.
@@ -722,17 +885,6 @@ bool has_bf16_linear() { return PAGECLI_HAVE_BF16_DOT; }
 // order (so its results are bit-identical to the Python loop), for steps where every sequence
 // decodes one token. Weights are held by reference, as CausalLM.use_cpu_ops found them.
 
-// F.linear, or linear_bf16_rows for bf16 products of up to rows_kernel_max_rows rows: the choice
-// pagecli.models.layers.linear makes.
-torch::Tensor linear_for(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-                         int64_t rows_kernel_max_rows) {
-  if (PAGECLI_HAVE_BF16_DOT && x.size(0) <= rows_kernel_max_rows && x.scalar_type() == torch::kBFloat16 &&
-      w.scalar_type() == torch::kBFloat16) {
-    return linear_bf16_rows(x, w, b);
-  }
-  return at::linear(x, w, b);
-}
-
 // RMSNorm.forward of pagecli.models.layers, op for op (q/k norms of Qwen3).
 torch::Tensor rms_norm_like_torch(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   auto x32 = x.to(torch::kFloat);
@@ -748,11 +900,9 @@ class DecodeStep {
   using Layer = std::vector<c10::optional<torch::Tensor>>;
 
   DecodeStep(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
-             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-             int64_t rows_kernel_max_rows)
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)),
-        num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        rows_kernel_max_rows_(rows_kernel_max_rows) {
+        num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
     for (const auto& layer : layers_) {
       TORCH_CHECK(layer.size() == 12, "DecodeStep: each layer needs 12 entries");
       for (int i : {0, 1, 5, 7, 8, 10}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
@@ -776,7 +926,7 @@ class DecodeStep {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
       auto x = add_rms_norm(h, delta, *w[0], eps_);
-      auto qkv = linear_for(x, *w[1], w[2], rows_kernel_max_rows_);
+      auto qkv = native_linear(x, *w[1], w[2]);
       auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
       auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
@@ -792,10 +942,10 @@ class DecodeStep {
       store_rows(v, v_cache, slots);
       auto attn = torch::empty({rows, num_heads_, head_dim_}, h.options());
       paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale_);
-      delta = linear_for(attn.view({rows, q_size}), *w[5], w[6], rows_kernel_max_rows_);
+      delta = native_linear(attn.view({rows, q_size}), *w[5], w[6]);
       x = add_rms_norm(h, delta, *w[7], eps_);
-      auto gate_up = linear_for(x, *w[8], w[9], rows_kernel_max_rows_);
-      delta = linear_for(silu_mul(gate_up), *w[10], w[11], rows_kernel_max_rows_);
+      auto gate_up = native_linear(x, *w[8], w[9]);
+      delta = native_linear(silu_mul(gate_up), *w[10], w[11]);
     }
     return add_rms_norm(h, delta, final_norm_, eps_);
   }
@@ -820,7 +970,6 @@ class DecodeStep {
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  int64_t rows_kernel_max_rows_;
 };
 
 }  // namespace
@@ -832,9 +981,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "Rotary embedding in place (rotate-half layout)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up output");
   m.def("has_bf16_linear", &has_bf16_linear, "Whether linear_bf16_rows was built");
+  m.def("linear", &native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");
+  m.def("has_amx", &has_amx, "Whether linear_bf16_amx was built and the OS grants AMX tiles");
+#if PAGECLI_HAVE_AMX
+  m.def("linear_bf16_amx", &linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");
+#endif
   pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<std::vector<DecodeStep::Layer>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                          int64_t, double, double, int64_t>())
+                          int64_t, double, double>())
       .def("forward", &DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "One decode step through every layer; returns the final norm's output");
 }
