@@ -54,7 +54,7 @@ def paged_decode_case(seq_lens, *, block_size, kv_heads, group, head_dim, dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 64), (3, 3, 64), (1, 4, 80), (2, 2, 128), (2, 2, 40)])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 64), (3, 3, 64), (1, 4, 80), (2, 2, 128), (2, 2, 40), (1, 16, 96)])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_decode_matches_the_reference(ops, dtype, kv_heads, group, head_dim, block_size):
     seq_lens = [1, 15, 16, 17, 300]

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -252,6 +253,33 @@ inline void widened_accumulate(float* acc, int64_t group, const float* w, int64_
 }
 #endif
 
+#if PAGECLI_HAVE_AMX
+// Linux hands a process AMX's tile registers only once it asks for them (arch_prctl
+// ARCH_REQ_XCOMP_PERM for the XTILEDATA state component); asked once, for every thread.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// The tile register shapes (palette 1): every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Column c of a stored [16, 16] fp32 tile, as 16 lanes.
+inline __m512 tile_column(const float* tile, int64_t c) {
+  const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  return _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(c))), tile, 4);
+}
+#endif
+
 // The cache slot of token t of a sequence, from its block table.
 inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
   return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
@@ -427,11 +455,198 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   });
 }
 
+#if PAGECLI_HAVE_AMX
+// V rows of tokens [t0, t0 + count) (count <= 32) of kv head `head`, pair-interleaved over tokens
+// for the B operand of P V: dst[(b * 16 + p) * 16 + d] holds dims b*16+d of tokens t0+2p, t0+2p+1
+// (low, high half); tokens past count are zero.
+inline void pack_v_step(const c10::BFloat16* v_ptr, const int32_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t head, int64_t dim, int64_t t0, int64_t count, uint32_t* dst) {
+  const int64_t dim_blocks = dim / 16;
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t t = t0 + 2 * p;
+    const c10::BFloat16* even = 2 * p < count ? v_ptr + slot_of(table, block_size, t) * slot_stride + head * dim : nullptr;
+    const c10::BFloat16* odd = 2 * p + 1 < count ? v_ptr + slot_of(table, block_size, t + 1) * slot_stride + head * dim : nullptr;
+    for (int64_t b = 0; b < dim_blocks; ++b) {
+      const __m512i lo = even ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + b * 16)))
+                              : _mm512_setzero_si512();
+      const __m512i hi = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + b * 16)))
+                             : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (b * 16 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// Paged decode attention for bf16 caches on AMX tiles (head_dim a multiple of 32, up to 256; at
+// most 16 query heads per kv head). The same tasks as paged_decode_impl; within a task, one query
+// group (a sequence's query heads of one kv head) at a time:
+//   scores = K q^T: A = 16 cache rows as they lie (their dims pair up in memory), B = the group's
+//            queries pair-interleaved, one column per head; then times scale, in fp32;
+//   softmax in fp32, as paged_decode_impl;
+//   out    = P V:   A = the group's probabilities rounded to bf16 (a row per head, 32 tokens),
+//            B = V pair-interleaved over tokens, C = [heads, 16 dims] for 4 dim blocks at a time.
+// Every output element sums its products in the same order whichever task computes it, so with a
+// shared prefix (its V packed once per task for all the run's sequences; a whole number of
+// 32-token steps) the results are bit-identical to one sequence at a time.
+void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                      double scale) {
+  using bf16 = c10::BFloat16;
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t k_steps = dim / 32, dim_blocks = dim / 16;
+  const bf16* q_ptr = query.data_ptr<bf16>();
+  const bf16* k_ptr = k_cache.data_ptr<bf16>();
+  const bf16* v_ptr = v_cache.data_ptr<bf16>();
+  bf16* o_ptr = out.data_ptr<bf16>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t slot_stride = kv_heads * dim;
+  const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t threads = at::get_num_threads();
+  const int64_t shared = shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) / 32 * 32;
+  const int64_t heads_per_task = shared == 0 && num_seqs >= 2 * threads ? kv_heads : 1;
+  const int64_t seq_runs = shared > 0 ? std::min<int64_t>(num_seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads))
+                                      : num_seqs;
+  const int64_t head_tasks = kv_heads / heads_per_task;
+  // With blocks of a multiple of 16 tokens, a 16-token tile lies in one block: tile loads read its
+  // K rows in place (rows past the context are read but their scores dropped).
+  const bool k_in_place = block_size % 16 == 0;
+  at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;  // 0-3: P V sums, 4: A, 5: B, 6: scores
+    for (int t = 0; t < 7; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    std::vector<uint32_t> shared_v;                       // [shared / 32][dim_blocks][16 token pairs][16 dims]
+    std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
+    std::vector<uint32_t> q_pack(k_steps * 256, 0u);      // [k_steps][16 dim pairs][16 heads]
+    std::vector<bf16> k_rows(16 * dim, bf16(0.f));        // a tile's K rows when they are not in place
+    std::vector<bf16> p_rows(16 * 32, bf16(0.f));         // [16 heads][32 tokens]; rows >= group stay 0
+    std::vector<float> scores, denom(group);              // scores: [group][len]
+    std::vector<float> acc(16 * dim);                     // [16 heads][dim]
+    alignas(64) float tile[16 * 16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t run = task / head_tasks;
+      const int64_t h0 = task % head_tasks * heads_per_task;
+      const int64_t s_begin = run * num_seqs / seq_runs, s_end = (run + 1) * num_seqs / seq_runs;
+      if (shared > 0) {
+        shared_v.resize(shared / 32 * dim_blocks * 256);
+        for (int64_t t0 = 0; t0 < shared; t0 += 32) {
+          pack_v_step(v_ptr, tables + s_begin * max_blocks, block_size, slot_stride, h0, dim, t0, 32,
+                      shared_v.data() + t0 / 32 * dim_blocks * 256);
+        }
+      }
+      for (int64_t s = s_begin; s < s_end; ++s) {
+        const int32_t* table = tables + s * max_blocks;
+        const int64_t len = lens[s];
+        for (int64_t head = h0; head < h0 + heads_per_task; ++head) {
+          for (int64_t c = 0; c < group; ++c) {
+            const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_ptr + s * q_s0 + (head * group + c) * q_s1);
+            for (int64_t i = 0; i < dim / 2; ++i) q_pack[i * 16 + c] = q_pairs[i];
+          }
+          scores.resize(group * len);
+          for (int64_t start = 0; start < len; start += 16) {
+            const int64_t n = std::min<int64_t>(16, len - start);
+            const bf16* a = k_ptr + slot_of(table, block_size, start) * slot_stride + head * dim;
+            int64_t a_stride = slot_stride * 2;
+            if (!k_in_place) {
+              for (int64_t i = 0; i < n; ++i) {
+                std::memcpy(k_rows.data() + i * dim, k_ptr + slot_of(table, block_size, start + i) * slot_stride + head * dim,
+                            dim * 2);
+              }
+              a = k_rows.data();
+              a_stride = dim * 2;
+            }
+            _tile_zero(6);
+            for (int64_t ks = 0; ks < k_steps; ++ks) {
+              _tile_loadd(4, a + ks * 32, a_stride);
+              _tile_loadd(5, q_pack.data() + ks * 256, 64);
+              _tile_dpbf16ps(6, 4, 5);
+            }
+            _tile_stored(6, tile, 64);
+            const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+            for (int64_t c = 0; c < group; ++c) {
+              _mm512_mask_storeu_ps(scores.data() + c * len + start, valid, _mm512_mul_ps(tile_column(tile, c), scale16));
+            }
+          }
+          for (int64_t c = 0; c < group; ++c) {
+            float* row = scores.data() + c * len;
+            denom[c] = exp_shifted_sum(row, len, *std::max_element(row, row + len));
+          }
+          for (int64_t b0 = 0; b0 < dim_blocks; b0 += 4) {
+            const int64_t blocks = std::min<int64_t>(4, dim_blocks - b0);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t0 = 0; t0 < len; t0 += 32) {
+              const int64_t count = std::min<int64_t>(32, len - t0);
+              const uint32_t* vb = v_step.data();
+              if (t0 < shared) {
+                vb = shared_v.data() + t0 / 32 * dim_blocks * 256;
+              } else {
+                pack_v_step(v_ptr, table, block_size, slot_stride, head, dim, t0, count, v_step.data());
+              }
+              const __mmask16 lo = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
+              const __mmask16 hi = static_cast<__mmask16>(count >= 32 ? 0xFFFF : count <= 16 ? 0 : (1u << (count - 16)) - 1);
+              for (int64_t c = 0; c < group; ++c) {
+                const float* p = scores.data() + c * len + t0;
+                bf16* dst = p_rows.data() + c * 32;
+                store16(dst, _mm512_maskz_loadu_ps(lo, p));
+                store16(dst + 16, _mm512_maskz_loadu_ps(hi, p + 16));
+              }
+              _tile_loadd(4, p_rows.data(), 64);
+              _tile_loadd(5, vb + b0 * 256, 64);
+              _tile_dpbf16ps(0, 4, 5);
+              if (blocks > 1) {
+                _tile_loadd(5, vb + (b0 + 1) * 256, 64);
+                _tile_dpbf16ps(1, 4, 5);
+              }
+              if (blocks > 2) {
+                _tile_loadd(5, vb + (b0 + 2) * 256, 64);
+                _tile_dpbf16ps(2, 4, 5);
+              }
+              if (blocks > 3) {
+                _tile_loadd(5, vb + (b0 + 3) * 256, 64);
+                _tile_dpbf16ps(3, 4, 5);
+              }
+            }
+            _tile_stored(0, acc.data() + b0 * 16, dim * 4);
+            if (blocks > 1) _tile_stored(1, acc.data() + (b0 + 1) * 16, dim * 4);
+            if (blocks > 2) _tile_stored(2, acc.data() + (b0 + 2) * 16, dim * 4);
+            if (blocks > 3) _tile_stored(3, acc.data() + (b0 + 3) * 16, dim * 4);
+          }
+          for (int64_t c = 0; c < group; ++c) {
+            bf16* dst = o_ptr + s * o_s0 + (head * group + c) * o_s1;
+            const __m512 inv = _mm512_set1_ps(1.f / denom[c]);
+            for (int64_t d = 0; d < dim; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + c * dim + d), inv));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // Common head sizes get a version whose K/V rows stay in registers.
 template <typename scalar_t>
 void paged_decode_for_dim(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens, double scale) {
+#if PAGECLI_HAVE_AMX
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const int64_t dim = query.size(2);
+    if (dim % 32 == 0 && dim <= 256 && query.size(1) / k_cache.size(2) <= 16 && amx_granted()) {
+      return paged_decode_amx(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    }
+  }
+#endif
   switch (query.size(2)) {
     case 64: return paged_decode_impl<4, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
     case 80: return paged_decode_impl<5, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
@@ -571,25 +786,6 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
 }
 
 #if PAGECLI_HAVE_AMX
-// Linux hands a process AMX's tile registers only once it asks for them (arch_prctl
-// ARCH_REQ_XCOMP_PERM for the XTILEDATA state component); asked once, for every thread.
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-// The tile register shapes (palette 1): every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias) on AMX tiles; K a multiple of 32, N of 16.
 // The weights are the A operand just as they lie in memory (a tile: 16 weight rows x 32 k), so
 // they are streamed once and never repacked; x goes once per call into the B operand's
@@ -637,8 +833,6 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10
     }
     _tile_loadconfig(&config);
     alignas(64) float out[16 * 16];  // [16 weight rows, 16 rows of x]
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * 16;
       const c10::BFloat16* a = wp + n0 * K;
@@ -685,8 +879,7 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10
           }
           const int64_t first = (mb0 + j) * 16, count = std::min<int64_t>(16, M - first);
           for (int64_t c = 0; c < count; ++c) {  // column c of out: row first + c of y
-            const __m512 sums = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(c)), out, 4);
-            store16(yp + (first + c) * N + n0, _mm512_add_ps(sums, bias16));
+            store16(yp + (first + c) * N + n0, _mm512_add_ps(tile_column(out, c), bias16));
           }
         }
       }
