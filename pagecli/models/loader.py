@@ -1,9 +1,11 @@
 """Load a Hugging Face folder into the lean decoder: config, tokenizer, safetensors weights.
 
-Nothing in the folder runs: config and tokenizer are read with trust_remote_code=False (left
-unset, transformers asks on stdin whether to import the folder's .py files named by auto_map,
-and a chat piped into pagecli could answer), and weights come from safetensors only, never
-from a pickle (.bin, .pt).
+Config and tokenizer are read without transformers where pagecli can read them alone (a plain
+config.json, a generic tokenizer.json: importing transformers costs most of a one-prompt start),
+else through transformers. Nothing in the folder runs: transformers gets trust_remote_code=False
+(left unset, it asks on stdin whether to import the folder's .py files named by auto_map, and a
+chat piped into pagecli could answer), and weights come from safetensors only, never from a
+pickle (.bin, .pt).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pagecli.errors import ModelError
 from pagecli.models.decoder import CausalLM
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
+from pagecli.models.tokenizer import GENERIC_TOKENIZER_CLASSES, load_plain_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -113,7 +116,12 @@ def _plain_config(folder: Path) -> SimpleNamespace | None:
 
 
 def load_tokenizer(folder: Path) -> Any:
+    """pagecli's PlainTokenizer where the folder's tokenizer is a generic tokenizer.json that transformers
+    would read no differently (no transformers import: about 0.7 s of start-up), else transformers' own."""
     try:
+        plain = load_plain_tokenizer(folder)
+        if plain is not None:
+            return plain
         if _generic_fast_tokenizer(folder):
             # The class AutoTokenizer would pick anyway, without its model-type lookup (which
             # imports transformers' config classes).
@@ -136,7 +144,7 @@ def _generic_fast_tokenizer(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (isinstance(config, dict) and (folder / "tokenizer.json").is_file() and "auto_map" not in config
-            and config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"))
+            and config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES)
 
 
 def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: str) -> None:
