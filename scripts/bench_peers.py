@@ -182,8 +182,10 @@ elif task in ("batch", "shared"):
 def run_child(python: str, driver: str, work_file: Path, task: str, opts: dict, env: dict | None = None) -> dict:
     """One contender, one task, in its own process: its RESULT line plus its own peak RSS (GB)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # Run beside the work file, not in the repo root, where `python -c` would import the repo's
+        # kernels/ folder as the top-level `kernels` package that transformers probes for.
         proc = subprocess.Popen([python, "-c", driver, str(work_file), task, json.dumps(opts)],
-                                stdout=out, stderr=err, text=True, env=env)
+                                stdout=out, stderr=err, text=True, env=env, cwd=work_file.parent)
         _, status, usage = os.wait4(proc.pid, 0)
         out.seek(0), err.seek(0)
         results = [line[7:] for line in out.read().splitlines() if line.startswith("RESULT ")]
