@@ -12,8 +12,13 @@ def main() -> int:
     if ops is None:
         print(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}", file=sys.stderr)
         return 1
-    bf16 = "with" if ops.has_bf16_linear() else "without"
-    print(f"==> CPU kernels ready ({bf16} the AVX512-BF16 matmul) in {native.build_dir()}")
+    if ops.has_amx():
+        bf16 = "bf16 products and decode attention on AMX tiles"
+    elif ops.has_bf16_linear():
+        bf16 = "with the AVX512-BF16 matmul"
+    else:
+        bf16 = "without the AVX512-BF16 matmul"
+    print(f"==> CPU kernels ready ({bf16}) in {native.build_dir()}")
     return 0
 
 
