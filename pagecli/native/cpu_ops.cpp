@@ -282,14 +282,18 @@ bool amx_granted() {
   return granted;
 }
 
-// The tile register shapes (palette 1): every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+// Sets this thread's eight tile registers to 16 rows of 64 bytes each (palette 1): the only shape
+// pagecli's AMX kernels use.
+inline void load_tile_config() {
+  struct alignas(64) {
+    uint8_t palette_id = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
+}
 
 // Column c of a stored [16, 16] fp32 tile, as 16 lanes.
 inline __m512 tile_column(const float* tile, int64_t c) {
@@ -318,6 +322,33 @@ inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, c
   }
   return common * block_size / 16 * 16;
 }
+
+// How the decode-attention kernels split a step into tasks. A task is a run of sequences
+// [s_begin, s_end) and the kv heads [h0, h0 + heads_per_task):
+//  - shared prefix: one kv head per task, the sequences split into about 2 * threads / kv_heads
+//    runs so every thread has work;
+//  - otherwise one sequence per task, with all its kv heads when there are sequences enough to keep
+//    every thread busy (K/V rows are then read front to back, a block at a time), one kv head per
+//    task otherwise (a single long chat).
+struct DecodeTasks {
+  struct Task {
+    int64_t h0, s_begin, s_end;
+  };
+  int64_t num_seqs, heads_per_task, seq_runs, head_tasks;
+
+  DecodeTasks(int64_t seqs, int64_t kv_heads, bool shared_prefix, int64_t threads)
+      : num_seqs(seqs),
+        heads_per_task(!shared_prefix && seqs >= 2 * threads ? kv_heads : 1),
+        seq_runs(shared_prefix ? std::min<int64_t>(seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads))
+                               : seqs),
+        head_tasks(kv_heads / heads_per_task) {}
+
+  int64_t count() const { return seq_runs * head_tasks; }
+  Task at(int64_t task) const {
+    const int64_t run = task / head_tasks;
+    return {task % head_tasks * heads_per_task, run * num_seqs / seq_runs, (run + 1) * num_seqs / seq_runs};
+  }
+};
 
 // One query token per sequence, the `group` query heads of a kv head together: scores for the
 // whole context (two passes: softmax in fp32, then the weighted sum of V), reading K and V
@@ -350,20 +381,11 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t slot_stride = kv_heads * head_dim;  // one token of one block
   const float fscale = static_cast<float>(scale);
-  const int64_t threads = at::get_num_threads();
 
-  // A task is a run of sequences [s_begin, s_end) and a range of kv heads [h0, h0 + heads_per_task).
-  //  - shared prefix: one kv head per task, the sequences split into about 2 * threads / kv_heads
-  //    runs so every thread has work;
-  //  - otherwise one sequence per task, with all its kv heads when there are sequences enough to
-  //    keep every thread busy (K/V rows are then read front to back, a block at a time), one kv
-  //    head per task otherwise (a single long chat).
   const int64_t shared = CHUNKS > 0 ? shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) : 0;
-  const int64_t heads_per_task = shared == 0 && num_seqs >= 2 * threads ? kv_heads : 1;
-  const int64_t seq_runs = shared > 0 ? std::min<int64_t>(num_seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads))
-                                      : num_seqs;
-  const int64_t head_tasks = kv_heads / heads_per_task;
-  at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
+  const DecodeTasks tasks(num_seqs, kv_heads, shared > 0, at::get_num_threads());
+  const int64_t heads_per_task = tasks.heads_per_task;
+  at::parallel_for(0, tasks.count(), 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     std::vector<float> q_buf, acc, scores, denom;
     std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
@@ -371,9 +393,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
     const scalar_t* tile_rows[16];
     alignas(64) float tile_buf[16 * 16 * (CHUNKS > 0 ? CHUNKS : 1)];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t run = task / head_tasks;
-      const int64_t h0 = task % head_tasks * heads_per_task;
-      const int64_t s_begin = run * num_seqs / seq_runs, s_end = (run + 1) * num_seqs / seq_runs;
+      const auto [h0, s_begin, s_end] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
       acc.assign(seqs * width * head_dim, 0.f);
@@ -524,22 +544,13 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t slot_stride = kv_heads * dim;
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t threads = at::get_num_threads();
   const int64_t shared = shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) / 32 * 32;
-  const int64_t heads_per_task = shared == 0 && num_seqs >= 2 * threads ? kv_heads : 1;
-  const int64_t seq_runs = shared > 0 ? std::min<int64_t>(num_seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads))
-                                      : num_seqs;
-  const int64_t head_tasks = kv_heads / heads_per_task;
+  const DecodeTasks tasks(num_seqs, kv_heads, shared > 0, at::get_num_threads());
   // With blocks of a multiple of 16 tokens, a 16-token tile lies in one block: tile loads read its
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;
-  at::parallel_for(0, seq_runs * head_tasks, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B, 6: scores
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+  at::parallel_for(0, tasks.count(), 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B, 6: scores
     std::vector<uint32_t> shared_v;                       // [shared / 32][dim_blocks][16 token pairs][16 dims]
     std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
     std::vector<uint32_t> q_pack(k_steps * 256, 0u);      // [k_steps][16 dim pairs][16 heads]
@@ -549,9 +560,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
     std::vector<float> acc(16 * dim);                     // [16 heads][dim]
     alignas(64) float tile[16 * 16];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t run = task / head_tasks;
-      const int64_t h0 = task % head_tasks * heads_per_task;
-      const int64_t s_begin = run * num_seqs / seq_runs, s_end = (run + 1) * num_seqs / seq_runs;
+      const auto [h0, s_begin, s_end] = tasks.at(task);
       if (shared > 0) {
         shared_v.resize(shared / 32 * dim_blocks * 256);
         for (int64_t t0 = 0; t0 < shared; t0 += 32) {
@@ -562,7 +571,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
       for (int64_t s = s_begin; s < s_end; ++s) {
         const int32_t* table = tables + s * max_blocks;
         const int64_t len = lens[s];
-        for (int64_t head = h0; head < h0 + heads_per_task; ++head) {
+        for (int64_t head = h0; head < h0 + tasks.heads_per_task; ++head) {
           for (int64_t c = 0; c < group; ++c) {
             const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_ptr + s * q_s0 + (head * group + c) * q_s1);
             for (int64_t i = 0; i < dim / 2; ++i) q_pack[i * 16 + c] = q_pairs[i];
@@ -855,12 +864,7 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10
   const char* w_end = reinterpret_cast<const char*>(wp + N * K);
   constexpr int64_t kAhead = 4;  // k steps between a weight line's prefetch and its tile load
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
-    for (int t = 0; t < 7; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    load_tile_config();
     alignas(64) float out[16 * 16];  // [16 weight rows, 16 rows of x]
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * 16;
