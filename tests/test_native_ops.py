@@ -136,6 +136,89 @@ def test_paged_decode_refuses_mismatched_inputs(ops):
         ops.paged_decode_attention(out, query[:1], k_cache, v_cache, tables.long(), lens, 0.1)
 
 
+def paged_prefill_case(ops, seq_lens, query_lens, *, block_size, kv_heads, group, head_dim, seed=0):
+    """paged_decode_case's bf16 cache and tables, and the new rows of each sequence as the backend
+    passes them: a strided view of a wider flat batch, after two decode rows."""
+    _, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=torch.bfloat16,
+        seed=seed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    flat = torch.randn(2 + sum(query_lens), kv_heads * group + 1, head_dim, generator=gen).bfloat16()
+    query = flat[2:, 1:]
+    starts = torch.tensor([2 + sum(query_lens[:i]) for i in range(len(query_lens) + 1)], dtype=torch.int32)
+    if not ops.paged_prefill_supported(query, k_cache):
+        pytest.skip("the prefill kernel needs AMX tiles, which this CPU or kernel does not grant")
+    return query, k_cache, v_cache, tables, lens, starts
+
+
+# Whole prompts (rows == length) and chunks after cached tokens, rows past and short of 16-row blocks.
+PREFILL_LENS = ([1, 15, 16, 17, 70, 300], [1, 15, 3, 17, 40, 123])
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128), (1, 16, 96), (2, 1, 32)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_prefill_matches_the_reference(ops, kv_heads, group, head_dim, block_size):
+    query, k_cache, v_cache, tables, lens, starts = paged_prefill_case(
+        ops, *PREFILL_LENS, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim
+    )
+    out = torch.empty_like(query)
+    ops.paged_prefill_attention(out, query, k_cache, v_cache, tables, lens, starts, 0.125)
+    expected = reference_paged_attention(query.float(), k_cache, v_cache, tables, starts - 2, lens, 0.125)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_paged_prefill_rows_equal_decoding_and_do_not_depend_on_chunks_or_threads(ops, threads):
+    # Greedy output must not change with chunked prefill or prefix-cache hits: a row's attention is
+    # the same bits however the prompt was cut, and the same as decoding that token.
+    query, k_cache, v_cache, tables, lens, starts = paged_prefill_case(
+        ops, *PREFILL_LENS, block_size=16, kv_heads=3, group=3, head_dim=64, seed=5
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = torch.empty_like(query)
+        ops.paged_prefill_attention(whole, query, k_cache, v_cache, tables, lens, starts, 0.125)
+        last_rows = query[(starts[1:] - 3).long()]
+        decoded = torch.empty_like(last_rows)
+        ops.paged_decode_attention(decoded, last_rows, k_cache, v_cache, tables, lens, 0.125)
+        s = len(lens) - 1  # the 300-token sequence's 123 new rows, cut into 50 + 40 + 33
+        first, seq_len = int(starts[s]) - 2, int(lens[s])
+        chunks, done = [], 0
+        for rows in (50, 40, 33):
+            part = query[first + done : first + done + rows]
+            out = torch.empty_like(part)
+            ops.paged_prefill_attention(out, part, k_cache, v_cache, tables[s : s + 1],
+                                        torch.tensor([seq_len - 123 + done + rows], dtype=torch.int32),
+                                        torch.tensor([0, rows], dtype=torch.int32), 0.125)
+            chunks.append(out)
+            done += rows
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(decoded, whole[(starts[1:] - 3).long()])
+    assert torch.equal(torch.cat(chunks), whole[first : first + 123])
+    alone = torch.empty_like(whole)  # threads == 1 split nothing
+    ops.paged_prefill_attention(alone, query, k_cache, v_cache, tables, lens, starts, 0.125)
+    assert torch.equal(alone, whole)
+
+
+def test_paged_prefill_refuses_inconsistent_rows(ops):
+    query, k_cache, v_cache, tables, lens, starts = paged_prefill_case(
+        ops, [5, 9], [5, 4], block_size=4, kv_heads=1, group=2, head_dim=64
+    )
+    out = torch.empty_like(query)
+    one_row_more = starts.clone()
+    one_row_more[-1] += 1
+    with pytest.raises(RuntimeError, match="span the query rows"):
+        ops.paged_prefill_attention(out, query, k_cache, v_cache, tables, lens, one_row_more, 0.1)
+    with pytest.raises(RuntimeError, match="1..seq_len query rows"):
+        ops.paged_prefill_attention(out, query, k_cache, v_cache, tables, lens - 1, starts, 0.1)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.paged_prefill_attention(out.float(), query, k_cache, v_cache, tables, lens, starts, 0.1)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # 3 and more: blocks of 4 rows
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (100, 7), (64, 1)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -257,6 +340,31 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(ti
     monkeypatch.setenv("PAGECLI_NATIVE", "0")
     monkeypatch.setattr(native, "_state", {})
     assert generate_tokens(tiny_llama, "float32") == with_kernels
+
+
+def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_hits_or_batching(tiny_model_factory):
+    # test_engine_invariance.py's checks, in bf16 with head size 32, where prefill and decode
+    # attention run on AMX tiles (and the linear layers on AMX or oneDNN by row count).
+    from test_engine_invariance import GREEDY, PROMPTS
+
+    folder = tiny_model_factory("qwen3")
+
+    def run(prompts=PROMPTS, **config):
+        settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 16, "num_blocks": 256, **config}
+        with Engine(str(folder), EngineConfig(**settings)) as engine:
+            if not engine.backend.cpu_ops.paged_prefill_supported(torch.empty(1, 1, 32).bfloat16(),
+                                                                  engine.runner.kv_caches[0, 0]):
+                pytest.skip("the prefill kernel needs AMX tiles, which this CPU or kernel does not grant")
+            outs = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+            if config.get("enable_prefix_caching"):
+                assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == outs  # now from the cache
+                assert engine.stats().prefix_hit_tokens > 0
+            return outs
+
+    alone = [run([p])[0] for p in PROMPTS]
+    assert run(max_num_batched_tokens=5) == alone
+    assert run(block_size=4, enable_prefix_caching=True) == alone
+    assert run((PROMPTS * 6)[:32], max_num_seqs=32) == (alone * 6)[:32]
 
 
 def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, monkeypatch):

@@ -7,7 +7,9 @@ For decode, the query heads that share a KV head are folded into the query lengt
 
 On the CPU, when pagecli's compiled kernels are available (pagecli.native), every decode
 sequence of the step is handled by one call that reads K/V straight from the blocks: the
-per-sequence gather and SDPA call cost more than the arithmetic for a small model.
+per-sequence gather and SDPA call cost more than the arithmetic for a small model. With bf16
+on a CPU with AMX tiles, so are the prefilling sequences (4-8x PyTorch's flash attention here,
+docs/BENCHMARKS.md), each row bit-identical to what decoding its token gives.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class TorchAttentionBackend:
             first = start = meta.num_decode_seqs  # decodes come first, one token each
             self.cpu_ops.paged_decode_attention(out[:first], query[:first], k_cache, v_cache,
                                                 meta.block_tables, meta.seq_lens, scale)
+        if first < meta.num_seqs and self._native_prefill(query, k_cache):
+            self.cpu_ops.paged_prefill_attention(out[start:], query[start:], k_cache, v_cache,
+                                                 meta.block_tables[first:], meta.seq_lens[first:],
+                                                 meta.query_start_loc[first:], scale)
+            return out
         for i in range(first, meta.num_seqs):
             q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             q = query[start : start + q_len]
@@ -78,6 +85,10 @@ class TorchAttentionBackend:
                 out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
+
+    def _native_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (self.cpu_ops is not None and query.device.type == "cpu"
+                and self.cpu_ops.paged_prefill_supported(query, k_cache))
 
     @staticmethod
     def _prefill_one(
