@@ -17,6 +17,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
@@ -24,6 +25,8 @@ from pagecli.models.loader import load_model
 from pagecli.store import files, maintenance
 from pagecli.store.files import INDEX_NAME
 from pagecli.store.index import StoreIndex
+from pagecli.store.prefix_store import BlockRecord
+from pagecli.store.writer import BackgroundWriter
 from test_disk_store import _blob_at_depth as blob_at_depth
 from test_disk_store import _stored_depths as stored_depths
 
@@ -404,3 +407,29 @@ def test_a_store_directory_made_read_only_while_the_engine_runs_skips_writes_and
     assert persist(engine, OTHER) == full_blocks(engine, OTHER)
     engine.close()
     assert_consistent(store)
+
+
+def test_a_writer_closed_from_its_own_thread_finishes_the_queue_then_closes_the_store():
+    # Garbage collection can run the disk tier's finalizer on the writer thread, in the middle of a
+    # write. Joining itself raised "cannot join current thread", and the store was closed under
+    # the write in progress.
+    events: list[str] = []
+    queued = threading.Event()
+
+    class Store:
+        def write_run(self, records, kv):
+            name = records[0].block_hash.decode()
+            if name == "first":
+                queued.wait(5)
+                writer.close(then=lambda: events.append("store closed"))  # as the finalizer would
+            events.append(f"wrote {name}")
+
+    warnings: list[str] = []
+    writer = BackgroundWriter(Store(), warnings.append)
+    writer.submit([BlockRecord(b"first", None, 0, (1,))], torch.zeros(1))
+    writer.submit([BlockRecord(b"second", None, 0, (1,))], torch.zeros(1))  # queued before the close
+    queued.set()
+    writer._thread.join(5)
+    assert not writer._thread.is_alive()
+    assert events == ["wrote first", "wrote second", "store closed"]
+    assert warnings == []

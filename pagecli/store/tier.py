@@ -97,5 +97,4 @@ class DiskTier:
 
 
 def _shut_down(writer: BackgroundWriter, store: PrefixStore) -> None:
-    writer.close()
-    store.close()
+    writer.close(then=store.close)

@@ -29,6 +29,7 @@ class BackgroundWriter:
         self._queue: queue.Queue[tuple[Sequence[BlockRecord], torch.Tensor] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._then: Callable[[], None] | None = None  # what close() runs once the thread is done
         self.closed = False
 
     def submit(self, records: Sequence[BlockRecord], kv: torch.Tensor) -> None:
@@ -51,27 +52,41 @@ class BackgroundWriter:
         """Wait until every queued run is written."""
         self._queue.join()
 
-    def close(self) -> None:
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        """Write what is queued, stop the thread, then call `then` (e.g. close the store).
+
+        Garbage collection may run the owner's finalizer on the writer thread itself, in the
+        middle of a write; the thread cannot wait for itself, so it then finishes the queue,
+        calls `then` and stops on its own."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             thread = self._thread
-        if thread is not None:
-            self._queue.put(_STOP)
+            self._then = then
+        if thread is None:
+            self._finish()
+            return
+        self._queue.put(_STOP)
+        if thread is not threading.current_thread():
             thread.join()
+
+    def _finish(self) -> None:
+        if self._then is not None:
+            self._then()
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            if job is _STOP:
+                self._queue.task_done()
+                self._finish()
+                return
             try:
-                if job is _STOP:
-                    return
                 self._store.write_run(*job)
             except Exception as exc:  # noqa: BLE001 - a failed write must never take the engine down
                 self._warn(f"A prefix store write failed and was skipped: {type(exc).__name__}: {exc}")
             finally:
-                if job is not _STOP:
-                    with self._lock:
-                        self._pending.difference_update(r.block_hash for r in job[0])
+                with self._lock:
+                    self._pending.difference_update(r.block_hash for r in job[0])
                 self._queue.task_done()
