@@ -323,6 +323,36 @@ inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, c
   return common * block_size / 16 * 16;
 }
 
+// Splits items of the given costs into `parts` consecutive runs of about equal total cost, none
+// empty when there are items enough; run r is items [bounds[r], bounds[r + 1]).
+std::vector<int64_t> balanced_runs(const std::vector<int64_t>& costs, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  int64_t total = 0;
+  for (const int64_t c : costs) total += c;
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t done = 0, r = 1;
+  for (int64_t i = 0; i < n && r < parts; ++i) {
+    done += costs[i];
+    if (done * parts >= total * r || n - (i + 1) == parts - r) bounds[r++] = i + 1;
+  }
+  return bounds;
+}
+
+// at::parallel_for over items [0, costs.size()), but each thread's range is chosen by cost, not by
+// count: sequences and prompts of unequal lengths would leave one thread waiting on the other.
+// fn(begin, end) runs once per non-empty range.
+template <typename Fn>
+void parallel_for_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), costs.size()));
+  const std::vector<int64_t> bounds = balanced_runs(costs, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (bounds[r] < bounds[r + 1]) fn(bounds[r], bounds[r + 1]);
+    }
+  });
+}
+
 // How the decode-attention kernels split a step into tasks. A task is a run of sequences
 // [s_begin, s_end) and the kv heads [h0, h0 + heads_per_task):
 //  - with sequences enough to keep every thread busy (at least 2 per thread), all kv heads per task,
@@ -331,32 +361,43 @@ inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, c
 //    kernel can widen the prefix of every head at once (`heads_together`, the AMX kernel);
 //  - otherwise one kv head per task (a single long chat), and with a shared prefix the sequences
 //    split into about 2 * threads / kv_heads runs so every thread has work.
+// Runs are cut by context length, not by count, and run_for_each hands the threads tasks of about
+// equal total length (a batch of prompts of 39 to 596 tokens, split by count, kept one thread
+// waiting on the other).
 struct DecodeTasks {
   struct Task {
     int64_t h0, s_begin, s_end;
   };
-  int64_t num_seqs, heads_per_task, seq_runs, head_tasks;
+  int64_t heads_per_task, head_tasks;
+  std::vector<int64_t> run_bounds;  // run r is sequences [run_bounds[r], run_bounds[r + 1])
+  std::vector<int64_t> costs;       // per task: the context tokens it reads
 
-  DecodeTasks(int64_t seqs, int64_t kv_heads, bool shared_prefix, int64_t threads, bool heads_together) {
+  DecodeTasks(const int32_t* lens, int64_t seqs, int64_t kv_heads, bool shared_prefix, int64_t threads,
+              bool heads_together) {
     const bool many = seqs >= 2 * threads;
     const bool whole_rows = many && (!shared_prefix || heads_together);
-    num_seqs = seqs;
     heads_per_task = whole_rows ? kv_heads : 1;
-    if (!shared_prefix) {
-      seq_runs = seqs;
-    } else if (whole_rows) {
-      seq_runs = threads;
-    } else {
-      seq_runs = std::min<int64_t>(seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads));
-    }
     head_tasks = kv_heads / heads_per_task;
+    int64_t seq_runs = seqs;
+    if (shared_prefix) {
+      seq_runs = whole_rows ? threads : std::min<int64_t>(seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads));
+    }
+    const std::vector<int64_t> seq_costs(lens, lens + seqs);
+    run_bounds = balanced_runs(seq_costs, seq_runs);
+    for (int64_t r = 0; r < seq_runs; ++r) {
+      int64_t tokens = 0;
+      for (int64_t s = run_bounds[r]; s < run_bounds[r + 1]; ++s) tokens += lens[s];
+      costs.insert(costs.end(), head_tasks, tokens);
+    }
   }
 
-  int64_t count() const { return seq_runs * head_tasks; }
   Task at(int64_t task) const {
     const int64_t run = task / head_tasks;
-    return {task % head_tasks * heads_per_task, run * num_seqs / seq_runs, (run + 1) * num_seqs / seq_runs};
+    return {task % head_tasks * heads_per_task, run_bounds[run], run_bounds[run + 1]};
   }
+  // fn(begin, end) over ranges of task numbers, one per thread.
+  template <typename Fn>
+  void run_for_each(const Fn& fn) const { parallel_for_by_cost(costs, fn); }
 };
 
 // One query token per sequence, the `group` query heads of a kv head together: scores for the
@@ -392,9 +433,9 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const float fscale = static_cast<float>(scale);
 
   const int64_t shared = CHUNKS > 0 ? shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) : 0;
-  const DecodeTasks tasks(num_seqs, kv_heads, shared > 0, at::get_num_threads(), false);
+  const DecodeTasks tasks(lens, num_seqs, kv_heads, shared > 0, at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
-  at::parallel_for(0, tasks.count(), 1, [&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     std::vector<float> q_buf, acc, scores, denom;
     std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
@@ -566,12 +607,12 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t slot_stride = kv_heads * dim;
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t shared = shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) / 32 * 32;
-  const DecodeTasks tasks(num_seqs, kv_heads, shared > 0, at::get_num_threads(), true);
+  const DecodeTasks tasks(lens, num_seqs, kv_heads, shared > 0, at::get_num_threads(), true);
   // With blocks of a multiple of 16 tokens, a 16-token tile lies in one block: tile loads read its
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;
   constexpr int64_t kPrefetchTokens = 64;  // how far ahead of its tile load a K or V row is fetched
-  at::parallel_for(0, tasks.count(), 1, [&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](int64_t begin, int64_t end) {
     load_tile_config();  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B, 6: scores
     std::vector<uint32_t> shared_v;                       // [task heads][shared / 32][dim_blocks][16 token pairs][16 dims]
     std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
@@ -749,32 +790,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 }
 
 #if PAGECLI_HAVE_AMX
-// Splits items of the given costs into `parts` consecutive runs of about equal total cost; run r is
-// items [bounds[r], bounds[r + 1]). at::parallel_for hands each thread one run of its range, so
-// unequal items (prompts of different lengths) must be grouped by cost, not by count.
-std::vector<int64_t> balanced_runs(const std::vector<int64_t>& costs, int64_t parts) {
-  int64_t total = 0;
-  for (const int64_t c : costs) total += c;
-  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(costs.size()));
-  bounds[0] = 0;
-  int64_t done = 0, r = 1;
-  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()) && r < parts; ++i) {
-    done += costs[i];
-    while (r < parts && done * parts >= total * r) bounds[r++] = i + 1;
-  }
-  return bounds;
-}
-
-// Runs work(i) for items [0, costs.size()) on the thread pool, in runs of about equal cost.
+// Runs work(i) for items [0, costs.size()) on the thread pool in runs of about equal cost, each
+// thread's tile registers configured for the AMX kernels.
 template <typename Work>
-void parallel_by_cost(const std::vector<int64_t>& costs, const Work& work) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), costs.size()));
-  const std::vector<int64_t> bounds = balanced_runs(costs, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+void parallel_by_cost_with_tiles(const std::vector<int64_t>& costs, const Work& work) {
+  parallel_for_by_cost(costs, [&](int64_t begin, int64_t end) {
     load_tile_config();
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = bounds[r]; i < bounds[r + 1]; ++i) work(i);
-    }
+    for (int64_t i = begin; i < end; ++i) work(i);
     _tile_release();
   });
 }
@@ -900,7 +922,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   std::vector<uint32_t> k_packed(k_at.back()), v_packed(v_at.back());
   std::vector<int64_t> costs(num_seqs * kv_heads);
   for (int64_t i = 0; i < num_seqs * kv_heads; ++i) costs[i] = lens[i / kv_heads];
-  parallel_by_cost(costs, [&](int64_t i) {
+  parallel_by_cost_with_tiles(costs, [&](int64_t i) {
     const int64_t s = i / kv_heads, head = i % kv_heads, len = lens[s];
     const int32_t* table = tables + s * max_blocks;
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -928,7 +950,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     }
   }
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
-  parallel_by_cost(costs, [&](int64_t item) {
+  parallel_by_cost_with_tiles(costs, [&](int64_t item) {
     const auto [s, head, r0] = items[item];
     const int64_t n = starts[s + 1] - starts[s], rows = std::min<int64_t>(16, n - r0);
     const int64_t first_pos = lens[s] - n + r0;  // the block's first row is this token of the context
