@@ -7,7 +7,9 @@ Prints, best of several repeats (run it on an otherwise idle machine):
             rows: pagecli's AMX and bf16 rows kernels against F.linear (oneDNN), and a plain read
             of the same bytes (the memory floor); whether AMX gives oneDNN's bits
   attention one decode step's paged attention (30 layers) for 16 sequences of ~1,550 tokens, with
-            and without a shared 1,500-token prefix in their block tables
+            and without a shared 1,500-token prefix in their block tables (one layer's cache, read
+            30 times); 64 sequences of the batch workload's lengths over every layer's own cache;
+            prefill attention of three steps, the AMX kernel against PyTorch's SDPA
   step      one decode token through the whole model (no engine): DecodeStep (C++) against the
             Python layer loop with the same kernels
 """
@@ -24,6 +26,9 @@ import torch.nn.functional as F
 from pagecli.attention import AttentionMetadata
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine
+
+
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
 
 
 def best_ms(fn: Callable[[], object], inner: int = 5, repeats: int = 7) -> float:
@@ -54,7 +59,7 @@ def main() -> None:
     flat = torch.cat([w.flatten() for w in weights]).view(torch.float32)  # the same bytes, contiguous
     read = best_ms(lambda: flat.sum())
     print(f"weights: {total / 1e6:.0f} MB; plain read (torch sum): {read:.2f} ms ({total / read / 1e6:.1f} GB/s)")
-    for rows in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256):
+    for rows in ROWS:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
         onednn = best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
         line = f"  {rows:3d} rows: F.linear {onednn:6.2f} ms"
@@ -83,6 +88,8 @@ def main() -> None:
                                                          0.125) for _ in range(model.spec.num_layers)])
         print(f"attention, {seqs} sequences of ~{lens[0]} tokens, {label}: {ms:.2f} ms per step")
 
+    batch_attention(ops, model.spec, bs)
+
     length = 400
     table = list(range(1, length // bs + 2))
     meta = AttentionMetadata.build([1], [length], [table], [table[(length - 1) // bs] * bs + (length - 1) % bs], 1)
@@ -98,6 +105,59 @@ def main() -> None:
     model.decode_step = step
     print(f"one token at {length} tokens of context, model + output layer: DecodeStep {in_cpp:.2f} ms, "
           f"Python layer loop {in_python:.2f} ms")
+
+
+def scattered_case(spec, bs: int, seq_lens: list[int], query_lens: list[int], seed: int = 0):
+    """Metadata for sequences whose blocks lie shuffled over a pool, and that pool for every layer
+    (random bf16 K/V: the memory traffic of a real step, not one layer's cache read 30 times)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 1
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, used, slots = [], 0, []
+    for n, q in zip(seq_lens, query_lens):
+        tables.append(order[used : used + -(-n // bs)])
+        used += len(tables[-1])
+        slots += [tables[-1][p // bs] * bs + p % bs for p in range(n - q, n)]
+    decodes = sum(1 for q in query_lens if q == 1)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, decodes)
+    caches = torch.randn(spec.num_layers, 2, num_blocks, bs, spec.num_kv_heads, spec.head_dim, generator=gen)
+    query = torch.randn(sum(query_lens), spec.num_heads, spec.head_dim, generator=gen).bfloat16()
+    return meta, caches.bfloat16(), query
+
+
+def batch_attention(ops, spec, bs: int) -> None:
+    """Attention as the batch and shared-prefix workloads give it, over all layers' caches."""
+    from pagecli.attention.torch_backend import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(0)
+    lens = (torch.randint(39, 597, (64,), generator=gen) + 64).tolist()
+    meta, caches, q = scattered_case(spec, bs, lens, [1] * 64)
+    out = torch.empty_like(q)
+    ms = best_ms(lambda: [ops.paged_decode_attention(out, q, layer[0], layer[1], meta.block_tables, meta.seq_lens,
+                                                     0.125) for layer in caches], inner=2, repeats=5)
+    kv_bytes = sum(lens) * spec.num_kv_heads * spec.head_dim * 2 * 2 * spec.num_layers
+    print(f"decode attention, 64 sequences of {min(lens)}-{max(lens)} tokens in shuffled blocks, each layer its own "
+          f"cache: {ms:.2f} ms per step ({kv_bytes / ms / 1e6:.1f} GB/s of K/V)")
+    if not ops.paged_prefill_supported(q, caches[0, 0]):
+        print("prefill attention: the AMX kernel needs AMX tiles, which this CPU or kernel does not grant")
+        return
+    native = TorchAttentionBackend(ops)
+    sdpa = TorchAttentionBackend(ops)
+    sdpa._native_prefill = lambda *args: False  # the per-sequence PyTorch path
+    cases = {
+        "a batch step: 7 prompts of 39-596 tokens, the first 16 tokens of each cached":
+            ([300, 450, 120, 596, 39, 250, 310], [284, 434, 104, 580, 23, 234, 294]),
+        "one 2,000-token prompt": ([2000], [2000]),
+        "16 questions of 60 tokens after a 1,500-token cached prefix": ([1560] * 16, [60] * 16),
+    }
+    for label, (seq_lens, query_lens) in cases.items():
+        meta, caches, q = scattered_case(spec, bs, seq_lens, query_lens)
+        times = {}
+        for name, backend in (("PyTorch SDPA", sdpa), ("AMX kernel", native)):
+            times[name] = best_ms(lambda: [backend.forward(q, layer[0], layer[1], meta, 0.125) for layer in caches],
+                                  inner=1, repeats=5)
+        print(f"prefill attention, {label}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
+              + f" per step ({times['PyTorch SDPA'] / times['AMX kernel']:.1f}x)")
 
 
 if __name__ == "__main__":
