@@ -95,15 +95,19 @@ def test_paged_decode_splits_work_the_same_way_for_any_thread_count(ops, num_seq
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])  # 80, 32 (of 36), 32 (of 40) shared tokens
 @pytest.mark.parametrize("threads", [1, 2, 4])  # 4 threads for 6 sequences: one kv head per task
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])
 def test_paged_decode_over_a_shared_prefix_is_bit_identical_to_one_sequence_at_a_time(ops, dtype, block_size,
-                                                                                      shared_blocks, threads):
+                                                                                      shared_blocks, threads,
+                                                                                      kv_heads, group, head_dim):
     # Sequences whose tables start with the same blocks (prefix-cache hits on one system prompt) are
     # handled together, the prefix tiles read once for all of them; each must get exactly what it
     # gets alone, where nothing is shared. The kernels split a step by sequences and kv heads
-    # according to the thread count, so each split is tried.
+    # according to the thread count, so each split is tried; the AMX kernel also multiplies the
+    # prefix for as many sequences at once as their query heads fill a tile's 16 columns.
     seq_lens = [shared_blocks * block_size + extra for extra in (0, 1, 7, 16, 40, 3)]
     query, k_cache, v_cache, tables, lens = paged_decode_case(
-        seq_lens, block_size=block_size, kv_heads=3, group=3, head_dim=64, dtype=dtype, seed=block_size
+        seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=dtype,
+        seed=block_size,
     )
     tables[:, :shared_blocks] = tables[0, :shared_blocks]
     n = len(seq_lens)

@@ -295,6 +295,29 @@ inline void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
+// Stores accumulators j < count (tiles 0-3) at dst + j * 16 floats, rows `stride` floats apart.
+inline void store_tiles(int64_t count, float* dst, int64_t stride) {
+  _tile_stored(0, dst, stride * 4);
+  if (count > 1) _tile_stored(1, dst + 16, stride * 4);
+  if (count > 2) _tile_stored(2, dst + 32, stride * 4);
+  if (count > 3) _tile_stored(3, dst + 48, stride * 4);
+}
+
+// Loads accumulators j < count (tiles 0-3) from src + j * 16 floats, as store_tiles left them.
+inline void load_tiles(int64_t count, const float* src, int64_t stride) {
+  _tile_loadd(0, src, stride * 4);
+  if (count > 1) _tile_loadd(1, src + 16, stride * 4);
+  if (count > 2) _tile_loadd(2, src + 32, stride * 4);
+  if (count > 3) _tile_loadd(3, src + 48, stride * 4);
+}
+
+inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // Column c of a stored [16, 16] fp32 tile, as 16 lanes.
 inline __m512 tile_column(const float* tile, int64_t c) {
   const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
@@ -618,9 +641,11 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
     std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
     std::vector<uint32_t> q_pack(k_steps * 256, 0u);      // [k_steps][16 dim pairs][16 heads]
     std::vector<bf16> k_rows(16 * dim, bf16(0.f));        // a tile's K rows when they are not in place
-    std::vector<bf16> p_rows(16 * 32, bf16(0.f));         // [16 heads][32 tokens]; rows >= group stay 0
-    std::vector<float> scores, denom(group);              // scores: [group][len]
-    std::vector<float> acc(16 * dim);                     // [16 heads][dim]
+    std::vector<bf16> p_rows(16 * 32, bf16(0.f));         // [16 query heads of the batch][32 tokens]
+    std::vector<float> scores, denom(16);                 // scores: a row per query head of the batch
+    std::vector<int64_t> row_at(17);                      // where each sequence's score rows start
+    std::vector<float> batch_acc(32 * dim, 0.f);          // P V sums over the shared prefix: [16 + 16][dim]
+    std::vector<float> acc(16 * 16 * dim);                // [sequence of the batch][16 rows][dim]
     alignas(64) float tile[16 * 16];
     for (int64_t task = begin; task < end; ++task) {
       const auto [h0, s_begin, s_end] = tasks.at(task);
@@ -633,20 +658,28 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
           }
         }
       }
-      for (int64_t s = s_begin; s < s_end; ++s) {
-        const int32_t* table = tables + s * max_blocks;
-        const int64_t len = lens[s];
+      // A batch: `per` sequences whose query groups share the 16 columns of a B tile, so that each
+      // tile of the shared prefix (K while scoring, V after) is multiplied once for all of them.
+      const int64_t per = shared > 0 ? 16 / group : 1;
+      for (int64_t s0 = s_begin; s0 < s_end; s0 += per) {
+        const int64_t batch = std::min<int64_t>(per, s_end - s0);
+        row_at[0] = 0;  // score row (j, c): scores[row_at[j] + c * lens[s0 + j] + t]
+        for (int64_t j = 0; j < batch; ++j) row_at[j + 1] = row_at[j] + group * lens[s0 + j];
+        scores.resize(row_at[batch]);
         for (int64_t head = h0; head < h0 + tasks.heads_per_task; ++head) {
-          for (int64_t c = 0; c < group; ++c) {
-            const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_ptr + s * q_s0 + (head * group + c) * q_s1);
-            for (int64_t i = 0; i < dim / 2; ++i) q_pack[i * 16 + c] = q_pairs[i];
+          for (int64_t j = 0; j < batch; ++j) {  // column j * group + c: query head c of sequence j
+            for (int64_t c = 0; c < group; ++c) {
+              const uint32_t* q_pairs =
+                  reinterpret_cast<const uint32_t*>(q_ptr + (s0 + j) * q_s0 + (head * group + c) * q_s1);
+              for (int64_t i = 0; i < dim / 2; ++i) q_pack[i * 16 + j * group + c] = q_pairs[i];
+            }
           }
-          scores.resize(group * len);
           if (k_steps == 2) {
             _tile_loadd(5, q_pack.data(), 64);
             _tile_loadd(7, q_pack.data() + 256, 64);
           }
-          for (int64_t start = 0; start < len; start += 16) {
+          // Scores of the tile of tokens [start, start + n) of sequences [j_begin, j_end) of the batch.
+          auto score_tile = [&](const int32_t* table, int64_t len, int64_t start, int64_t j_begin, int64_t j_end) {
             const int64_t n = std::min<int64_t>(16, len - start);
             const int64_t ahead = start + kPrefetchTokens;
             if (ahead < len) {
@@ -663,7 +696,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
               a_stride = dim * 2;
             }
             _tile_zero(6);
-            if (k_steps == 2) {  // head_dim 64: the queries stay in tiles 5 and 7, loaded once per group
+            if (k_steps == 2) {  // head_dim 64: the queries stay in tiles 5 and 7, loaded once per head
               _tile_loadd(0, a, a_stride);
               _tile_loadd(1, a + 32, a_stride);
               _tile_dpbf16ps(6, 0, 5);
@@ -677,66 +710,90 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
             }
             _tile_stored(6, tile, 64);
             const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-            for (int64_t c = 0; c < group; ++c) {
-              _mm512_mask_storeu_ps(scores.data() + c * len + start, valid, _mm512_mul_ps(tile_column(tile, c), scale16));
+            for (int64_t j = j_begin; j < j_end; ++j) {
+              for (int64_t c = 0; c < group; ++c) {
+                float* row = scores.data() + row_at[j] + c * lens[s0 + j];
+                _mm512_mask_storeu_ps(row + start, valid, _mm512_mul_ps(tile_column(tile, j * group + c), scale16));
+              }
+            }
+          };
+          for (int64_t start = 0; start < shared; start += 16) score_tile(tables + s0 * max_blocks, shared, start, 0, batch);
+          for (int64_t j = 0; j < batch; ++j) {
+            for (int64_t start = shared; start < lens[s0 + j]; start += 16) {
+              score_tile(tables + (s0 + j) * max_blocks, lens[s0 + j], start, j, j + 1);
             }
           }
-          for (int64_t c = 0; c < group; ++c) {
-            float* row = scores.data() + c * len;
-            denom[c] = exp_shifted_sum(row, len, max_of(row, len));
+          for (int64_t j = 0; j < batch; ++j) {
+            for (int64_t c = 0; c < group; ++c) {
+              float* row = scores.data() + row_at[j] + c * lens[s0 + j];
+              denom[j * group + c] = exp_shifted_sum(row, lens[s0 + j], max_of(row, lens[s0 + j]));
+            }
           }
+          // P V for the 32 tokens from t0 of sequences [j_begin, j_end) (P row r - first_row is
+          // query head c of sequence j, r = j * group + c), with V packed at vb, into tiles 0-3.
+          auto weigh_step = [&](const uint32_t* vb, int64_t t0, int64_t b0, int64_t blocks, int64_t j_begin,
+                                int64_t j_end, int64_t first_row) {
+            for (int64_t j = j_begin; j < j_end; ++j) {
+              const int64_t len = lens[s0 + j], count = std::min<int64_t>(32, len - t0);
+              const __mmask16 lo = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
+              const __mmask16 hi = static_cast<__mmask16>(count >= 32 ? 0xFFFF : count <= 16 ? 0 : (1u << (count - 16)) - 1);
+              for (int64_t c = 0; c < group; ++c) {
+                const float* p = scores.data() + row_at[j] + c * len + t0;
+                bf16* dst = p_rows.data() + (j * group + c - first_row) * 32;
+                store16(dst, _mm512_maskz_loadu_ps(lo, p));
+                store16(dst + 16, _mm512_maskz_loadu_ps(hi, p + 16));
+              }
+            }
+            _tile_loadd(4, p_rows.data(), 64);
+            _tile_loadd(5, vb + b0 * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (blocks > 1) {
+              _tile_loadd(5, vb + (b0 + 1) * 256, 64);
+              _tile_dpbf16ps(1, 4, 5);
+            }
+            if (blocks > 2) {
+              _tile_loadd(5, vb + (b0 + 2) * 256, 64);
+              _tile_dpbf16ps(2, 4, 5);
+            }
+            if (blocks > 3) {
+              _tile_loadd(5, vb + (b0 + 3) * 256, 64);
+              _tile_dpbf16ps(3, 4, 5);
+            }
+          };
           for (int64_t b0 = 0; b0 < dim_blocks; b0 += 4) {
             const int64_t blocks = std::min<int64_t>(4, dim_blocks - b0);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t t0 = 0; t0 < len; t0 += 32) {
-              const int64_t count = std::min<int64_t>(32, len - t0);
-              const uint32_t* vb = v_step.data();
-              if (t0 < shared) {
-                vb = shared_v.data() + ((head - h0) * shared + t0) / 32 * dim_blocks * 256;
-              } else {
+            zero_tiles();
+            if (shared > 0) {  // the shared steps for the whole batch; each sequence's rows go on from these sums
+              for (int64_t t0 = 0; t0 < shared; t0 += 32) {
+                weigh_step(shared_v.data() + ((head - h0) * shared + t0) / 32 * dim_blocks * 256, t0, b0, blocks, 0,
+                           batch, 0);
+              }
+              store_tiles(blocks, batch_acc.data() + b0 * 16, dim);
+            }
+            for (int64_t j = 0; j < batch; ++j) {
+              const int32_t* table = tables + (s0 + j) * max_blocks;
+              const int64_t len = lens[s0 + j];
+              if (shared > 0) load_tiles(blocks, batch_acc.data() + j * group * dim + b0 * 16, dim);
+              for (int64_t t0 = shared; t0 < len; t0 += 32) {
                 const int64_t ahead = t0 + kPrefetchTokens;
                 if (b0 == 0 && ahead < len) {
                   prefetch_rows(v_ptr, table, block_size, slot_stride, head * dim, dim * 2, ahead,
                                 std::min<int64_t>(32, len - ahead));
                 }
-                pack_v_step(v_ptr, table, block_size, slot_stride, head, dim, t0, count, v_step.data());
+                pack_v_step(v_ptr, table, block_size, slot_stride, head, dim, t0, std::min<int64_t>(32, len - t0),
+                            v_step.data());
+                weigh_step(v_step.data(), t0, b0, blocks, j, j + 1, j * group);
               }
-              const __mmask16 lo = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
-              const __mmask16 hi = static_cast<__mmask16>(count >= 32 ? 0xFFFF : count <= 16 ? 0 : (1u << (count - 16)) - 1);
-              for (int64_t c = 0; c < group; ++c) {
-                const float* p = scores.data() + c * len + t0;
-                bf16* dst = p_rows.data() + c * 32;
-                store16(dst, _mm512_maskz_loadu_ps(lo, p));
-                store16(dst + 16, _mm512_maskz_loadu_ps(hi, p + 16));
-              }
-              _tile_loadd(4, p_rows.data(), 64);
-              _tile_loadd(5, vb + b0 * 256, 64);
-              _tile_dpbf16ps(0, 4, 5);
-              if (blocks > 1) {
-                _tile_loadd(5, vb + (b0 + 1) * 256, 64);
-                _tile_dpbf16ps(1, 4, 5);
-              }
-              if (blocks > 2) {
-                _tile_loadd(5, vb + (b0 + 2) * 256, 64);
-                _tile_dpbf16ps(2, 4, 5);
-              }
-              if (blocks > 3) {
-                _tile_loadd(5, vb + (b0 + 3) * 256, 64);
-                _tile_dpbf16ps(3, 4, 5);
-              }
+              store_tiles(blocks, acc.data() + j * 16 * dim + b0 * 16, dim);
             }
-            _tile_stored(0, acc.data() + b0 * 16, dim * 4);
-            if (blocks > 1) _tile_stored(1, acc.data() + (b0 + 1) * 16, dim * 4);
-            if (blocks > 2) _tile_stored(2, acc.data() + (b0 + 2) * 16, dim * 4);
-            if (blocks > 3) _tile_stored(3, acc.data() + (b0 + 3) * 16, dim * 4);
           }
-          for (int64_t c = 0; c < group; ++c) {
-            bf16* dst = o_ptr + s * o_s0 + (head * group + c) * o_s1;
-            const __m512 inv = _mm512_set1_ps(1.f / denom[c]);
-            for (int64_t d = 0; d < dim; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + c * dim + d), inv));
+          for (int64_t j = 0; j < batch; ++j) {
+            for (int64_t c = 0; c < group; ++c) {
+              bf16* dst = o_ptr + (s0 + j) * o_s0 + (head * group + c) * o_s1;
+              const __m512 inv = _mm512_set1_ps(1.f / denom[j * group + c]);
+              const float* sums = acc.data() + (j * 16 + c) * dim;
+              for (int64_t d = 0; d < dim; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(sums + d), inv));
+            }
           }
         }
       }
@@ -833,21 +890,6 @@ inline void accumulate_tiles(int64_t count, bool a_in_5, const uint32_t* b, int6
     if (count > 2) { _tile_loadd(6, b + 2 * b_step, 64); _tile_dpbf16ps(2, 4, 6); }
     if (count > 3) { _tile_loadd(7, b + 3 * b_step, 64); _tile_dpbf16ps(3, 4, 7); }
   }
-}
-
-// Stores accumulators j < count (tiles 0-3) at dst + j * 16 floats, rows `stride` floats apart.
-inline void store_tiles(int64_t count, float* dst, int64_t stride) {
-  _tile_stored(0, dst, stride * 4);
-  if (count > 1) _tile_stored(1, dst + 16, stride * 4);
-  if (count > 2) _tile_stored(2, dst + 32, stride * 4);
-  if (count > 3) _tile_stored(3, dst + 48, stride * 4);
-}
-
-inline void zero_tiles() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
 }
 
 // Whether paged_prefill_attention takes these inputs (else the caller uses PyTorch's attention).
