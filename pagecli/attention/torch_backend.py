@@ -8,8 +8,9 @@ For decode, the query heads that share a KV head are folded into the query lengt
 On the CPU, when pagecli's compiled kernels are available (pagecli.native), every decode
 sequence of the step is handled by one call that reads K/V straight from the blocks: the
 per-sequence gather and SDPA call cost more than the arithmetic for a small model. With bf16
-on a CPU with AMX tiles, so are the prefilling sequences (4-8x PyTorch's flash attention here,
-docs/BENCHMARKS.md), each row bit-identical to what decoding its token gives.
+on a CPU with AMX tiles, so are the prefilling sequences (1.6-2.6x PyTorch's SDPA on a step of
+many prompts or of new tokens after cached ones, even on one long prompt; docs/BENCHMARKS.md),
+each row bit-identical to what decoding its token gives.
 """
 
 from __future__ import annotations

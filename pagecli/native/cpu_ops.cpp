@@ -607,9 +607,11 @@ inline void pack_v_step(const c10::BFloat16* v_ptr, const int32_t* table, int64_
 //   softmax in fp32, as paged_decode_impl;
 //   out    = P V:   A = the group's probabilities rounded to bf16 (a row per head, 32 tokens),
 //            B = V pair-interleaved over tokens, C = [heads, 16 dims] for 4 dim blocks at a time.
-// Every output element sums its products in the same order whichever task computes it, so with a
-// shared prefix (its V packed once per task for all the run's sequences; a whole number of
-// 32-token steps) the results are bit-identical to one sequence at a time.
+// Over a shared prefix (a whole number of 32-token steps, its V packed once per task) the groups
+// of as many sequences as fill the 16 columns go together: one tile product per prefix tile for
+// all of them, after which each sequence goes on alone from those sums. Every output element
+// sums its products in the same order whichever way it is computed, so the results are
+// bit-identical to one sequence at a time.
 void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                       double scale) {

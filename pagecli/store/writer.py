@@ -29,7 +29,7 @@ class BackgroundWriter:
         self._queue: queue.Queue[tuple[Sequence[BlockRecord], torch.Tensor] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._then: Callable[[], None] | None = None  # what close() runs once the thread is done
+        self._then: Callable[[], None] | None = None  # what the thread runs at the stop, if it closed itself
         self.closed = False
 
     def submit(self, records: Sequence[BlockRecord], kv: torch.Tensor) -> None:
@@ -63,24 +63,23 @@ class BackgroundWriter:
                 return
             self.closed = True
             thread = self._thread
-            self._then = then
-        if thread is None:
-            self._finish()
+        if thread is threading.current_thread():
+            self._then = then  # run by the thread once it reaches the stop
+            self._queue.put(_STOP)
             return
-        self._queue.put(_STOP)
-        if thread is not threading.current_thread():
+        if thread is not None:
+            self._queue.put(_STOP)
             thread.join()
-
-    def _finish(self) -> None:
-        if self._then is not None:
-            self._then()
+        if then is not None:
+            then()
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is _STOP:
                 self._queue.task_done()
-                self._finish()
+                if self._then is not None:
+                    self._then()
                 return
             try:
                 self._store.write_run(*job)
