@@ -236,11 +236,16 @@ inline void widen_tile(const scalar_t* const* rows, int64_t n, float* buf) {
   }
 }
 
+// The mask of lanes [0, n) of 16, n clamped to [0, 16]: the valid lanes of a row's tail.
+inline __mmask16 first_lanes(int64_t n) {
+  return n <= 0 ? 0 : n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // Scores of up to 16 widened K rows for the group's query heads: out[g * stride + i] = q_g . k_i.
 template <int CHUNKS>
 inline void widened_scores(const float* q, int64_t group, int64_t n, float* out, int64_t stride, const float* buf) {
   constexpr int D = CHUNKS * 16;
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 valid = first_lanes(n);
   for (int64_t g = 0; g < group; ++g) {
     __m512 qv[CHUNKS];
     for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
@@ -293,6 +298,24 @@ inline void load_tile_config() {
     uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
   } config;
   _tile_loadconfig(&config);
+}
+
+// C[j] += A B[j] for the accumulators j < count (tiles 0-3): A in tile 4, or 5 when `a_in_5`; B[j]
+// the tile at b + j * b_step, loaded into tiles 6 and 7 in turn.
+inline void accumulate_tiles(int64_t count, bool a_in_5, const uint32_t* b, int64_t b_step) {
+  if (a_in_5) {
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    if (count > 1) { _tile_loadd(7, b + b_step, 64); _tile_dpbf16ps(1, 5, 7); }
+    if (count > 2) { _tile_loadd(6, b + 2 * b_step, 64); _tile_dpbf16ps(2, 5, 6); }
+    if (count > 3) { _tile_loadd(7, b + 3 * b_step, 64); _tile_dpbf16ps(3, 5, 7); }
+  } else {
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (count > 1) { _tile_loadd(7, b + b_step, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (count > 2) { _tile_loadd(6, b + 2 * b_step, 64); _tile_dpbf16ps(2, 4, 6); }
+    if (count > 3) { _tile_loadd(7, b + 3 * b_step, 64); _tile_dpbf16ps(3, 4, 7); }
+  }
 }
 
 // Stores accumulators j < count (tiles 0-3) at dst + j * 16 floats, rows `stride` floats apart.
@@ -638,7 +661,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   const bool k_in_place = block_size % 16 == 0;
   constexpr int64_t kPrefetchTokens = 64;  // how far ahead of its tile load a K or V row is fetched
   tasks.run_for_each([&](int64_t begin, int64_t end) {
-    load_tile_config();  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B, 6: scores
+    load_tile_config();  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B (6 and 7 for P V), 6: scores
     std::vector<uint32_t> shared_v;                       // [task heads][shared / 32][dim_blocks][16 token pairs][16 dims]
     std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
     std::vector<uint32_t> q_pack(k_steps * 256, 0u);      // [k_steps][16 dim pairs][16 heads]
@@ -711,7 +734,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
               }
             }
             _tile_stored(6, tile, 64);
-            const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+            const __mmask16 valid = first_lanes(n);
             for (int64_t j = j_begin; j < j_end; ++j) {
               for (int64_t c = 0; c < group; ++c) {
                 float* row = scores.data() + row_at[j] + c * lens[s0 + j];
@@ -737,8 +760,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
                                 int64_t j_end, int64_t first_row) {
             for (int64_t j = j_begin; j < j_end; ++j) {
               const int64_t len = lens[s0 + j], count = std::min<int64_t>(32, len - t0);
-              const __mmask16 lo = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
-              const __mmask16 hi = static_cast<__mmask16>(count >= 32 ? 0xFFFF : count <= 16 ? 0 : (1u << (count - 16)) - 1);
+              const __mmask16 lo = first_lanes(count), hi = first_lanes(count - 16);
               for (int64_t c = 0; c < group; ++c) {
                 const float* p = scores.data() + row_at[j] + c * len + t0;
                 bf16* dst = p_rows.data() + (j * group + c - first_row) * 32;
@@ -747,20 +769,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
               }
             }
             _tile_loadd(4, p_rows.data(), 64);
-            _tile_loadd(5, vb + b0 * 256, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (blocks > 1) {
-              _tile_loadd(5, vb + (b0 + 1) * 256, 64);
-              _tile_dpbf16ps(1, 4, 5);
-            }
-            if (blocks > 2) {
-              _tile_loadd(5, vb + (b0 + 2) * 256, 64);
-              _tile_dpbf16ps(2, 4, 5);
-            }
-            if (blocks > 3) {
-              _tile_loadd(5, vb + (b0 + 3) * 256, 64);
-              _tile_dpbf16ps(3, 4, 5);
-            }
+            accumulate_tiles(blocks, false, vb + b0 * 256, 256);
           };
           for (int64_t b0 = 0; b0 < dim_blocks; b0 += 4) {
             const int64_t blocks = std::min<int64_t>(4, dim_blocks - b0);
@@ -827,22 +836,32 @@ void paged_decode_for_dim(torch::Tensor& out, const torch::Tensor& query, const 
   }
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_seqs, heads, head_dim]");
+// The inputs both paged-attention entry points take: query and out [tokens, heads, head_dim] with
+// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype, and
+// int32 block tables and lengths for num_seqs sequences.
+void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                        int64_t num_seqs) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out rows must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
               "query, out and cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
-                  block_tables.size(0) >= query.size(0),
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= num_seqs,
               "block_tables must be contiguous int32 with a row per sequence");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.size(0) >= query.size(0),
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.size(0) >= num_seqs,
               "seq_lens must be contiguous int32 with an entry per sequence");
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_paged_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, query.size(0));
   PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_for_dim<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });
@@ -876,24 +895,6 @@ inline void pack_k_block(const c10::BFloat16* k_ptr, const int32_t* table, int64
   }
 }
 
-// C[j] += A B[j] for the accumulators j < count (tiles 0-3): A in tile 4, or 5 when `a_in_5`; B[j]
-// the tile at b + j * b_step, loaded into tiles 6 and 7 in turn.
-inline void accumulate_tiles(int64_t count, bool a_in_5, const uint32_t* b, int64_t b_step) {
-  if (a_in_5) {
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    if (count > 1) { _tile_loadd(7, b + b_step, 64); _tile_dpbf16ps(1, 5, 7); }
-    if (count > 2) { _tile_loadd(6, b + 2 * b_step, 64); _tile_dpbf16ps(2, 5, 6); }
-    if (count > 3) { _tile_loadd(7, b + 3 * b_step, 64); _tile_dpbf16ps(3, 5, 7); }
-  } else {
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (count > 1) { _tile_loadd(7, b + b_step, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (count > 2) { _tile_loadd(6, b + 2 * b_step, 64); _tile_dpbf16ps(2, 4, 6); }
-    if (count > 3) { _tile_loadd(7, b + 3 * b_step, 64); _tile_dpbf16ps(3, 4, 7); }
-  }
-}
-
 // Whether paged_prefill_attention takes these inputs (else the caller uses PyTorch's attention).
 bool paged_prefill_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
   const int64_t dim = query.size(-1);
@@ -919,19 +920,10 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              double scale) {
   using bf16 = c10::BFloat16;
   TORCH_CHECK(paged_prefill_supported(query, k_cache), "paged_prefill_attention needs AMX, bf16 and a head size of 32-256 by 32");
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+  TORCH_CHECK(query.dim() == 3 && out.scalar_type() == query.scalar_type(),
               "query and out must be bf16 [num_tokens, heads, head_dim]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out rows must be contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.size(3) == query.size(2) && query.size(1) % k_cache.size(2) == 0,
-              "query heads must be a multiple of kv heads, of the cache's head size");
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) >= num_seqs,
-              "block_tables must be contiguous int32 with a row per sequence");
+  check_paged_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, num_seqs);
   TORCH_CHECK(query_start.scalar_type() == torch::kInt32 && query_start.is_contiguous() &&
                   query_start.size(0) == num_seqs + 1,
               "query_start must be contiguous int32 with num_seqs + 1 entries");
@@ -1042,12 +1034,12 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
       float* row = scores.data() + r * score_stride;
       const int64_t len = first_pos + r + 1;
       for (int64_t k = 0; k < len; k += 16) {
-        const __mmask16 valid = static_cast<__mmask16>(len - k >= 16 ? 0xFFFF : (1u << (len - k)) - 1);
+        const __mmask16 valid = first_lanes(len - k);
         _mm512_mask_storeu_ps(row + k, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + k), scale16));
       }
       denom[r] = exp_shifted_sum(row, len, max_of(row, len));
       for (int64_t k = 0; k < p_stride; k += 16) {
-        const __mmask16 valid = static_cast<__mmask16>(k >= len ? 0 : len - k >= 16 ? 0xFFFF : (1u << (len - k)) - 1);
+        const __mmask16 valid = first_lanes(len - k);
         store16(p + k, _mm512_maskz_loadu_ps(valid, row + k));
       }
     }
