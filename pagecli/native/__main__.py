@@ -13,7 +13,7 @@ def main() -> int:
         print(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}", file=sys.stderr)
         return 1
     if ops.has_amx():
-        bf16 = "bf16 products and decode attention on AMX tiles"
+        bf16 = "bf16 products, prefill and decode attention on AMX tiles"
     elif ops.has_bf16_linear():
         bf16 = "with the AVX512-BF16 matmul"
     else:
