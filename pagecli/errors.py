@@ -13,3 +13,23 @@ class ModelError(PagecliError):
     """The model could not be found, read or run."""
 
     exit_code = 3
+
+
+class RequestError(PagecliError):
+    """One request cannot be run (bad fields, a chat template that rejects it, an over-long prompt);
+    every other request goes on. The message says what is wrong with this request alone."""
+
+
+def request_failure(exc: BaseException) -> str | None:
+    """What a per-request failure says, or None when `exc` is not one (a bug: let it propagate).
+
+    The one place that decides this: `generate` writes it as the line's error record, `chat` prints it
+    and goes on, and the server answers it as a 400.
+    """
+    if isinstance(exc, PagecliError):
+        return str(exc)
+    if type(exc).__module__.startswith("jinja2"):  # a chat template's raise_exception() or a template bug
+        return f"the chat template rejected this conversation: {exc}"
+    if isinstance(exc, (RecursionError, UnicodeError)):
+        return f"the request could not be read ({type(exc).__name__}: {exc})"
+    return None

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+from user_files import user_files  # noqa: E402
 
 # Triton's @jit reads TRITON_INTERPRET when a kernel module is imported: without a GPU, every
 # test that touches pagecli.kernels runs them in the interpreter, on the CPU.
@@ -16,15 +22,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The compiled CPU kernels (pagecli.native) build once per machine into the user's cache (install.sh
-# builds them); the isolated PAGECLI_HOME below would otherwise rebuild them in every test.
+# builds them); the isolated PAGECLI_HOME below would otherwise rebuild them in every test. That
+# folder is the one part of the user's cache tests share; everything else they must leave alone, so
+# the rest is recorded now and compared when the session ends (user_files_untouched), and the whole
+# session (module- and session-scoped fixtures too, which run before the per-test home) gets a home
+# of its own.
+_USER_FILES_BEFORE = None
 if "PAGECLI_HOME" not in os.environ:
     from pagecli import paths
 
     os.environ.setdefault("PAGECLI_NATIVE_DIR", str(paths.native_dir()))
+    os.environ.pop("PAGECLI_CACHE_DIR", None)
+    _USER_DIRS = (paths.cache_dir(), paths.data_dir())
+    _USER_FILES_BEFORE = user_files(_USER_DIRS, skip=paths.native_dir())
+    os.environ["PAGECLI_HOME"] = tempfile.mkdtemp(prefix="pagecli-test-session-")
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_tiny_model  # noqa: E402
+@pytest.fixture(autouse=True, scope="session")
+def user_files_untouched():
+    """Fails the run if any test created, changed or removed a file in the user's real cache or data
+    folders (issue: a test run once left a model 'tiny-llama0' in the user's prefix store)."""
+    yield
+    if _USER_FILES_BEFORE is None:
+        return  # PAGECLI_HOME was set from outside (a child pytest): the parent run checks
+    after = user_files(_USER_DIRS, skip=Path(os.environ["PAGECLI_NATIVE_DIR"]))
+    changed = sorted(set(_USER_FILES_BEFORE.items()) ^ set(after.items()))
+    if changed:
+        pytest.fail(f"the tests changed the user's own pagecli files: {sorted({p for p, _ in changed})[:10]}")
 
 
 @pytest.fixture(autouse=True)

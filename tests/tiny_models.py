@@ -81,3 +81,18 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder)
     return folder
+
+
+SYSTEM_FIRST_GUARD = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                      "{{ raise_exception('System message must come first') }}{% endif %}{% endfor %}")
+
+
+def with_template_prefix(folder: Path, dest: Path, prefix: str = SYSTEM_FIRST_GUARD) -> Path:
+    """A copy of the model folder whose chat template starts with `prefix` (by default a guard that
+    rejects a system message after the first, as Mistral's and Gemma's templates do)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        (dest / path.name).write_bytes(path.read_bytes())
+    template = dest / "chat_template.jinja"
+    template.write_text(prefix + template.read_text())
+    return dest

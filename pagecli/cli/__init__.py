@@ -15,6 +15,7 @@ import click
 import typer
 
 from pagecli import __version__
+from pagecli.cli import help_style
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 from pagecli.ui.progress import error_line
@@ -49,39 +50,27 @@ def root(
 
 
 @app.command()
+@o.engine_flags
 def generate(
-    input: Annotated[str, typer.Argument(help="JSONL (prompt/messages, or OpenAI batch lines) or text, one prompt "
-                                              "per line; '-' reads stdin.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="JSONL results, one per input line, in input order; "
-                                        "re-running resumes; '-' writes stdout.")],
-    format: Annotated[str, typer.Option("--format", help="auto|jsonl|text.")] = "auto",
-    progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress",
-                                                     help="Progress bar (default: on a terminal).")] = None,
-    model: o.ModelOpt = None, profile: o.ProfileOpt = None, dtype: o.DtypeOpt = None,
-    attention: o.AttentionOpt = None, device: o.DeviceOpt = None, block_size: o.BlockSizeOpt = None,
-    kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None, max_num_seqs: o.MaxSeqsOpt = None,
-    max_num_batched_tokens: o.MaxBatchedOpt = None, max_model_len: o.MaxLenOpt = None,
-    no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
-    disk_cache: o.DiskCacheOpt = None, cache_prefix: o.CachePrefixOpt = None,
-    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
-    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
-    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
+    input: Annotated[str, typer.Argument(
+        metavar="INPUT", show_default=False,
+        help="JSONL (prompt/messages, or OpenAI batch lines) or text, one prompt per line; '-' reads stdin.")],
+    output: Annotated[str, typer.Option(
+        "--output", "-o", metavar="OUTPUT", help="JSONL results, one per input line, in input order; re-running "
+                                                 "resumes; '-' writes stdout.")],
+    flags: o.RunFlags,
+    format: Annotated[str, typer.Option("--format", metavar="FORMAT", help="auto|jsonl|text.")] = "auto",
+    progress: Annotated[Optional[bool], typer.Option(
+        "--progress/--no-progress", help="Progress bar (default: on a terminal).", show_default=False)] = None,
+    retry_errors: Annotated[bool, typer.Option(
+        "--retry-errors", help="Run again the lines whose result is an error (after raising a limit, say).")] = False,
 ) -> None:
     """Generate completions for every request in INPUT and write them to OUTPUT."""
     if format not in ("auto", "jsonl", "text"):
         raise PagecliError(f"--format must be auto, jsonl or text (got '{format}').")
     from pagecli.cli.generate import run_generate
 
-    settings = o.build_settings(
-        model, profile,
-        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
-             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads,
-             disk_cache=disk_cache, disk_cache_all_prompts=cache_prefix),
-        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
-    )
-    code = run_generate(settings, input, output, format, progress)
+    code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors)
     if code:
         raise typer.Exit(code)
 
@@ -115,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args or os.environ.get("PAGECLI_DEBUG") == "1"
     _register_optional_commands()
     try:
-        result = app(args=args, prog_name="pagecli", standalone_mode=False)
+        command = help_style.tidy(typer.main.get_command(app))
+        result = command.main(args=args, prog_name="pagecli", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except PagecliError as exc:
         if debug:

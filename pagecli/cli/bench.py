@@ -105,7 +105,9 @@ def _console(json_path: str | None) -> Console:
 
 
 @bench_app.command("run")
+@o.engine_flags
 def run(
+    flags: o.RunFlags,
     workload: Annotated[str, typer.Argument(
         help="Built-in workload (mixed, shared-prefix, chat) or a file in generate's format (JSONL or text).")]
     = "mixed",
@@ -126,14 +128,6 @@ def run(
         "--warmup/--no-warmup", help="Run one tiny request first, so one-time costs do not count.")] = True,
     progress: Annotated[Optional[bool], typer.Option(
         "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
-    model: o.ModelOpt = None, profile: o.ProfileOpt = None, dtype: o.DtypeOpt = None,
-    attention: o.AttentionOpt = None, device: o.DeviceOpt = None, block_size: o.BlockSizeOpt = None,
-    kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None, max_num_seqs: o.MaxSeqsOpt = None,
-    max_num_batched_tokens: o.MaxBatchedOpt = None, max_model_len: o.MaxLenOpt = None,
-    no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None, disk_cache: o.DiskCacheOpt = None,
-    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
-    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
-    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
 ) -> None:
     """Run a workload on the engine and report pool occupancy, fragmentation, prefix hits and speed.
 
@@ -148,16 +142,8 @@ def run(
         raise PagecliError("--hf-batch-size must be at least 1.")
     if plot:
         require_matplotlib()
-    settings = o.build_settings(
-        model, profile,
-        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
-             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads,
-             disk_cache=disk_cache),
-        dict(max_tokens=max_tokens, temperature=0.0 if temperature is None else temperature, top_p=top_p,
-             top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-             ignore_eos=ignore_eos),
-    )
+    settings = flags.settings(sampling_unless_given={"temperature": 0.0})
+    max_tokens = flags.values["max_tokens"]
     count, max_tokens = _cpu_size(workload, settings, count, max_tokens)
     chosen = load_workload(workload, settings.sampling, count, max_tokens, workload_seed)
     if compare:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded)"
 
 ModelArg = Annotated[Optional[str], typer.Argument(
-    show_default=False, help="Local HF folder, hub id or .gguf file (same as --model).")]
+    metavar="MODEL", show_default=False, help="Local HF folder, hub id or .gguf file (same as --model).")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
 SessionOpt = Annotated[Optional[str], typer.Option(
     "--session", help="Start a session saved under NAME after every turn.", metavar="NAME")]
@@ -41,19 +41,12 @@ NoPoolOpt = Annotated[bool, typer.Option("--no-pool", help="Start with the block
 
 
 @app.command()
+@o.engine_flags
 def chat(
-    model_arg: ModelArg = None, model: o.ModelOpt = None, profile: o.ProfileOpt = None,
+    model_arg: ModelArg = None, flags: o.RunFlags = None,  # type: ignore[assignment] - filled by engine_flags
     system: SystemOpt = None, session: SessionOpt = None, resume: ResumeOpt = None,
     list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
     no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False,
-    dtype: o.DtypeOpt = None, attention: o.AttentionOpt = None, device: o.DeviceOpt = None,
-    block_size: o.BlockSizeOpt = None, kv_budget_gib: o.KvBudgetOpt = None, num_blocks: o.NumBlocksOpt = None,
-    max_num_seqs: o.MaxSeqsOpt = None, max_num_batched_tokens: o.MaxBatchedOpt = None,
-    max_model_len: o.MaxLenOpt = None, no_prefix_caching: o.NoPrefixOpt = False, threads: o.ThreadsOpt = None,
-    disk_cache: o.DiskCacheOpt = None,
-    max_tokens: o.MaxTokensOpt = None, temperature: o.TemperatureOpt = None, top_p: o.TopPOpt = None,
-    top_k: o.TopKOpt = None, min_p: o.MinPOpt = None, repetition_penalty: o.RepPenaltyOpt = None,
-    seed: o.SeedOpt = None, stop: o.StopOpt = None, ignore_eos: o.IgnoreEosOpt = False,
 ) -> None:
     """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
     from pagecli.chat import session as sessions
@@ -61,17 +54,9 @@ def chat(
     if list_sessions:
         _print_sessions(sessions.list_sessions())
         return
-    if model_arg and model and model_arg != model:
-        raise PagecliError(f"Two models given ('{model_arg}' and --model '{model}'); pass one.")
-    settings = o.build_settings(
-        model_arg or model, profile,
-        dict(dtype=dtype, attention=attention, device=device, block_size=block_size, kv_budget_gib=kv_budget_gib,
-             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-             max_model_len=max_model_len, no_prefix_caching=no_prefix_caching, threads=threads,
-             disk_cache=disk_cache),
-        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos),
-    )
+    if model_arg and flags.model and model_arg != flags.model:
+        raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")
+    settings = flags.settings(model=model_arg)
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
                     truncate=not no_truncate, pool_visible=not no_pool)
     if code:

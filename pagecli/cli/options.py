@@ -1,10 +1,18 @@
-"""Command-line options shared by every command that runs a model, and how they become settings.
+"""The engine and sampling flags, declared once, and how they become settings.
+
+Every command that runs the engine is decorated with `@engine_flags`: it then takes every flag in
+ENGINE_FLAGS and SAMPLING_FLAGS (plus --model and --profile) and receives them as one `RunFlags`.
+Adding a flag is one entry here; each command gets it, and `RunFlags.settings()` carries it into
+EngineConfig or SamplingParams.
 
 Precedence: a command-line flag beats the profile, which beats the built-in defaults.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
@@ -15,53 +23,92 @@ from pagecli.config import EngineConfig, Profile, SamplingParams, load_profile
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 
-ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="Local HF folder, hub id, .gguf file; omitted: the embedded SmolLM2-135M-Instruct.",
-    rich_help_panel=ENGINE)]
-ProfileOpt = Annotated[Optional[str], typer.Option(
-    "--profile", "-p", help="Profile name (see `pagecli profiles`) or path to a TOML file.", rich_help_panel=ENGINE)]
-DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", help="auto|float32|bfloat16|float16.", rich_help_panel=ENGINE)]
-AttentionOpt = Annotated[Optional[str], typer.Option(
-    "--attention", help="auto|triton|torch (auto: triton on CUDA, torch elsewhere).", rich_help_panel=ENGINE)]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto|cpu|cuda.", rich_help_panel=ENGINE)]
-BlockSizeOpt = Annotated[Optional[int], typer.Option(
-    "--block-size", help="Tokens per KV block.", rich_help_panel=ENGINE)]
-KvBudgetOpt = Annotated[Optional[float], typer.Option(
-    "--kv-budget-gib", help="KV pool size on CPU, in GiB.", rich_help_panel=ENGINE)]
-NumBlocksOpt = Annotated[Optional[int], typer.Option(
-    "--num-blocks", help="Exact KV pool size in blocks (overrides the budget).", rich_help_panel=ENGINE)]
-MaxSeqsOpt = Annotated[Optional[int], typer.Option(
-    "--max-num-seqs", help="Most sequences in one batch.", rich_help_panel=ENGINE)]
-MaxBatchedOpt = Annotated[Optional[int], typer.Option(
-    "--max-num-batched-tokens", help="Token budget per step (prefill chunks + decodes).", rich_help_panel=ENGINE)]
-MaxLenOpt = Annotated[Optional[int], typer.Option(
-    "--max-model-len", help="Longest sequence (prompt + output) in tokens.", rich_help_panel=ENGINE)]
-NoPrefixOpt = Annotated[bool, typer.Option(
-    "--no-prefix-caching", help="Recompute every prompt instead of reusing cached blocks.", rich_help_panel=ENGINE)]
-ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", help="CPU threads for torch (default: torch's choice).", rich_help_panel=ENGINE)]
-DiskCacheOpt = Annotated[Optional[bool], typer.Option(
-    "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).",
-    rich_help_panel=ENGINE)]
-CachePrefixOpt = Annotated[Optional[bool], typer.Option(
-    "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
-                           "shared by two or more requests.", rich_help_panel=ENGINE)]
 
-MaxTokensOpt = Annotated[Optional[int], typer.Option(
-    "--max-tokens", "-n", help="Most new tokens per request.", rich_help_panel=SAMPLING)]
-TemperatureOpt = Annotated[Optional[float], typer.Option(
-    "--temperature", "-t", help="0 = greedy.", rich_help_panel=SAMPLING)]
-TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass.", rich_help_panel=SAMPLING)]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 = off.", rich_help_panel=SAMPLING)]
-MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="0 = off.", rich_help_panel=SAMPLING)]
-RepPenaltyOpt = Annotated[Optional[float], typer.Option(
-    "--repetition-penalty", help="1 = off.", rich_help_panel=SAMPLING)]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Same seed, same output.", rich_help_panel=SAMPLING)]
-StopOpt = Annotated[Optional[list[str]], typer.Option(
-    "--stop", help="Stop string (repeatable).", rich_help_panel=SAMPLING)]
-IgnoreEosOpt = Annotated[bool, typer.Option(
-    "--ignore-eos", help="Keep generating past end-of-sequence tokens.", rich_help_panel=SAMPLING)]
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag that sets one EngineConfig or SamplingParams field.
+
+    `value` is what the flag holds when the user did not give it (it then leaves the field to the
+    profile); `when_given` turns a given value into the field's value where the two differ.
+    """
+
+    name: str  # the Python parameter name
+    field: str  # the EngineConfig / SamplingParams field it sets
+    kind: Any  # the parameter's type
+    option: typer.models.OptionInfo
+    value: Any = None
+    when_given: Callable[[Any], Any] | None = None
+
+    def parameter(self) -> inspect.Parameter:
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=self.value,
+                                 annotation=Annotated[self.kind, self.option])
+
+    def setting(self, value: Any) -> Any:
+        """The field's value for what the user passed; None leaves it to the profile."""
+        if value is None or value == self.value:
+            return None
+        return self.when_given(value) if self.when_given else value
+
+
+def _opt(*decls: str, help: str, panel: str = ENGINE, metavar: str | None = None) -> typer.models.OptionInfo:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, metavar=metavar, show_default=False)
+
+
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("dtype", "dtype", Optional[str], _opt("--dtype", help="auto|float32|bfloat16|float16.", metavar="DTYPE")),
+    Flag("attention", "attention", Optional[str], _opt(
+        "--attention", help="auto|triton|torch (auto: triton on CUDA, torch elsewhere).", metavar="NAME")),
+    Flag("device", "device", Optional[str], _opt("--device", help="auto|cpu|cuda.", metavar="DEVICE")),
+    Flag("block_size", "block_size", Optional[int], _opt("--block-size", help="Tokens per KV block.", metavar="N")),
+    Flag("kv_budget_gib", "kv_budget_gib", Optional[float], _opt(
+        "--kv-budget-gib", help="KV pool size on CPU, in GiB.", metavar="GIB")),
+    Flag("num_blocks", "num_blocks", Optional[int], _opt(
+        "--num-blocks", help="Exact KV pool size in blocks (overrides the budget).", metavar="N")),
+    Flag("max_num_seqs", "max_num_seqs", Optional[int], _opt(
+        "--max-num-seqs", help="Most sequences in one batch.", metavar="N")),
+    Flag("max_num_batched_tokens", "max_num_batched_tokens", Optional[int], _opt(
+        "--max-num-batched-tokens", help="Token budget per step (prefill chunks + decodes).", metavar="N")),
+    Flag("max_model_len", "max_model_len", Optional[int], _opt(
+        "--max-model-len", help="Longest sequence (prompt + output) in tokens.", metavar="N")),
+    Flag("no_prefix_caching", "enable_prefix_caching", bool, _opt(
+        "--no-prefix-caching", help="Recompute every prompt instead of reusing cached blocks."),
+        value=False, when_given=lambda _given: False),
+    Flag("threads", "threads", Optional[int], _opt(
+        "--threads", help="CPU threads for torch (default: torch's choice).", metavar="N")),
+    Flag("disk_cache", "disk_cache", Optional[bool], _opt(
+        "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).")),
+    Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
+        "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
+                               "shared by two or more requests."), value=False),
+)
+
+SAMPLING_FLAGS: tuple[Flag, ...] = (
+    Flag("max_tokens", "max_tokens", Optional[int], _opt(
+        "--max-tokens", "-n", help="Most new tokens per request.", panel=SAMPLING, metavar="N")),
+    Flag("temperature", "temperature", Optional[float], _opt(
+        "--temperature", "-t", help="0 = greedy.", panel=SAMPLING, metavar="T")),
+    Flag("top_p", "top_p", Optional[float], _opt(
+        "--top-p", help="Nucleus sampling mass.", panel=SAMPLING, metavar="P")),
+    Flag("top_k", "top_k", Optional[int], _opt("--top-k", help="0 = off.", panel=SAMPLING, metavar="K")),
+    Flag("min_p", "min_p", Optional[float], _opt("--min-p", help="0 = off.", panel=SAMPLING, metavar="P")),
+    Flag("repetition_penalty", "repetition_penalty", Optional[float], _opt(
+        "--repetition-penalty", help="1 = off.", panel=SAMPLING, metavar="X")),
+    Flag("seed", "seed", Optional[int], _opt("--seed", help="Same seed, same output.", panel=SAMPLING, metavar="N")),
+    Flag("stop", "stop", Optional[list[str]], _opt(
+        "--stop", help="Stop string (repeatable).", panel=SAMPLING, metavar="TEXT"),
+        when_given=lambda stops: tuple(stops) or None),
+    Flag("ignore_eos", "ignore_eos", bool, _opt(
+        "--ignore-eos", help="Keep generating past end-of-sequence tokens.", panel=SAMPLING), value=False),
+)
+
+MODEL_FLAGS: tuple[inspect.Parameter, ...] = (
+    inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[str], _opt("--model", "-m", help="Local HF folder, hub id, .gguf file; omitted: the embedded "
+                                                  "SmolLM2-135M-Instruct.", metavar="MODEL")]),
+    inspect.Parameter("profile", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[str], _opt("--profile", "-p", help="Profile name (see `pagecli profiles`) or path to a TOML file.",
+                            metavar="PROFILE")]),
+)
 
 
 @dataclass(frozen=True)
@@ -72,13 +119,49 @@ class RunSettings:
     sampling: SamplingParams
 
 
-def build_settings(model: str | None, profile_name: str | None, engine: dict[str, Any],
-                   sampling: dict[str, Any]) -> RunSettings:
-    profile = load_profile(profile_name)
-    if engine.pop("no_prefix_caching", False):
-        engine["enable_prefix_caching"] = False
-    if sampling.get("stop") == []:
-        sampling["stop"] = None
-    if not sampling.get("ignore_eos"):
-        sampling.pop("ignore_eos", None)
-    return RunSettings(model or profile.model, profile, profile.engine_config(**engine), profile.sampling_params(**sampling))
+@dataclass(frozen=True)
+class RunFlags:
+    """What the user passed of the shared flags: the model, the profile, and each flag's raw value."""
+
+    model: str | None
+    profile: str | None
+    values: dict[str, Any]  # Flag.name -> the value as parsed (the flag's `value` when not given)
+
+    def settings(self, model: str | None = None, sampling_unless_given: dict[str, Any] | None = None) -> RunSettings:
+        """The profile, then these flags on top. `sampling_unless_given` beats the profile but not a flag
+        (`bench run` decodes greedily unless --temperature says otherwise)."""
+        profile = load_profile(self.profile)
+        engine = _given(ENGINE_FLAGS, self.values)
+        sampling = {**(sampling_unless_given or {}), **_given(SAMPLING_FLAGS, self.values)}
+        return RunSettings(model or self.model or profile.model, profile, profile.engine_config(**engine),
+                           profile.sampling_params(**sampling))
+
+
+def _given(flags: tuple[Flag, ...], values: dict[str, Any]) -> dict[str, Any]:
+    settings = {flag.field: flag.setting(values.get(flag.name, flag.value)) for flag in flags}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command` every shared flag. It declares a parameter `flags: RunFlags`, which the
+    Typer command replaces with --model, --profile and every engine and sampling flag."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "flags"]
+    shared = [*MODEL_FLAGS, *(flag.parameter() for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS))]
+    names = {flag.name for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS)}
+
+    @functools.wraps(command)
+    def wrapper(**given: Any) -> Any:
+        bound = signature.bind(**given)
+        bound.apply_defaults()  # called directly (bare `pagecli` runs chat), unset flags take their defaults
+        kwargs = dict(bound.arguments)
+        values = {name: kwargs.pop(name) for name in list(kwargs) if name in names}
+        flags = RunFlags(kwargs.pop("model"), kwargs.pop("profile"), values)
+        return command(flags=flags, **kwargs)
+
+    parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind == p.POSITIONAL_OR_KEYWORD else p
+                  for p in own] + shared
+    signature = inspect.Signature(parameters)
+    wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__  # Typer must read the new signature, not the command's own
+    return wrapper

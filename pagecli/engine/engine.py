@@ -27,7 +27,8 @@ from pagecli.engine.sampler import make_generator, sample
 from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
 from pagecli.engine.stats import EngineStats
-from pagecli.errors import PagecliError
+from pagecli.models.messages import developer_as_system, read_messages
+from pagecli.errors import PagecliError, RequestError, request_failure
 from pagecli.models.fingerprint import model_fingerprint
 from pagecli.models.loader import LoadedModel, load_model
 from pagecli.store.blobs import BlockGeometry
@@ -187,14 +188,36 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids for a plain prompt (str), chat messages (list of dicts) or ids (list of ints)."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        return self.encode_chat(prompt)  # type: ignore[arg-type]
+        """Token ids for a plain prompt (str), chat messages (list of dicts) or ids (list of ints).
+
+        Anything about the request itself that stops it (messages in a shape the template refuses,
+        text the tokenizer cannot take) raises RequestError, so one bad request never ends a batch.
+        """
+        try:
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt)["input_ids"])
+            if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return self._checked_ids(prompt)  # type: ignore[arg-type]
+            return self.encode_chat(prompt)  # type: ignore[arg-type]
+        except RequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sorted just below: a request's fault or a bug
+            message = request_failure(exc)
+            if message is None and isinstance(exc, (TypeError, ValueError)):
+                message = f"the prompt could not be tokenized ({type(exc).__name__}: {exc})"
+            if message is None:
+                raise
+            raise RequestError(message) from exc
+
+    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+        vocab_size = self.loaded.spec.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the model's vocabulary (0-{vocab_size - 1})")
+        return list(token_ids)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        messages = developer_as_system(read_messages(messages), self.chat_template)
         if self.chat_template:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -202,7 +225,7 @@ class Engine:
             self._warned_no_chat_template = True
             self._warnings.append("The model has no chat template; chat messages are sent as plain text "
                                   "('role: content' lines, then 'assistant:').")
-        text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages) + "\nassistant:"
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return list(self.tokenizer(text)["input_ids"])
 
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
@@ -210,9 +233,9 @@ class Engine:
         sampling = sampling or SamplingParams()
         token_ids = self.encode(prompt)
         if not token_ids:
-            raise PagecliError("The prompt is empty.")
+            raise RequestError("The prompt is empty.")
         if len(token_ids) >= self.max_model_len:
-            raise PagecliError(
+            raise RequestError(
                 f"The prompt has {len(token_ids)} tokens; this engine holds at most {self.max_model_len} "
                 "per sequence (max_model_len or the KV pool). Shorten it or raise max_model_len/kv_budget_gib."
             )

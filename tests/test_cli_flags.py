@@ -1,0 +1,154 @@
+"""The shared engine and sampling flags: every command that runs the engine takes each one, and each
+reaches EngineConfig or SamplingParams; and `--help` reads like a well-kept CLI."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import typer
+
+from pagecli.cli import app, help_style, main
+from pagecli.cli.options import ENGINE_FLAGS, SAMPLING_FLAGS
+
+# flag name -> (command-line words, the field's value they must produce)
+FLAG_CASES = {
+    "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "attention": (["--attention", "torch"], "torch"),
+    "device": (["--device", "cpu"], "cpu"),
+    "block_size": (["--block-size", "8"], 8),
+    "kv_budget_gib": (["--kv-budget-gib", "0.125"], 0.125),
+    "num_blocks": (["--num-blocks", "96"], 96),
+    "max_num_seqs": (["--max-num-seqs", "3"], 3),
+    "max_num_batched_tokens": (["--max-num-batched-tokens", "77"], 77),
+    "max_model_len": (["--max-model-len", "300"], 300),
+    "no_prefix_caching": (["--no-prefix-caching"], False),
+    "threads": (["--threads", "1"], 1),
+    "disk_cache": (["--no-disk-cache"], False),
+    "cache_prefix": (["--cache-prefix"], True),
+    "max_tokens": (["--max-tokens", "5"], 5),
+    "temperature": (["--temperature", "0.25"], 0.25),
+    "top_p": (["--top-p", "0.5"], 0.5),
+    "top_k": (["--top-k", "7"], 7),
+    "min_p": (["--min-p", "0.1"], 0.1),
+    "repetition_penalty": (["--repetition-penalty", "1.3"], 1.3),
+    "seed": (["--seed", "11"], 11),
+    "stop": (["--stop", "END", "--stop", "STOP"], ("END", "STOP")),
+    "ignore_eos": (["--ignore-eos"], True),
+}
+
+
+class Captured(BaseException):
+    """Raised by the patched runner with the settings the command built, so nothing runs (a
+    BaseException: the CLI turns every Exception into an error line)."""
+
+    def __init__(self, settings):
+        super().__init__("captured")
+        self.settings = settings
+
+
+def _capture(settings, *args, **kwargs):
+    raise Captured(settings)
+
+
+@pytest.fixture
+def commands(monkeypatch, tmp_path):
+    """Each engine-running command as argv, with its runner patched to capture the settings."""
+    import pagecli.cli.bench as bench
+    import pagecli.cli.chat as chat
+    import pagecli.cli.generate as generate
+
+    monkeypatch.setattr(generate, "run_generate", _capture)
+    monkeypatch.setattr(chat, "run_chat", _capture)
+    monkeypatch.setattr(bench, "run_bench", _capture)
+    monkeypatch.setattr(bench, "load_workload", lambda *args, **kwargs: None)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    return {
+        "generate": ["generate", str(prompts), "-o", str(tmp_path / "out.jsonl")],
+        "chat": ["chat"],
+        "bench run": ["bench", "run", "mixed", "--count", "1"],
+    }
+
+
+def settings_of(argv: list[str]):
+    try:
+        main(argv)
+    except Captured as captured:
+        return captured.settings
+    raise AssertionError(f"{argv} did not reach its runner")
+
+
+def test_every_shared_flag_has_a_case_here():
+    assert {flag.name for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS)} == set(FLAG_CASES)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench run"])
+@pytest.mark.parametrize("flag", [*ENGINE_FLAGS, *SAMPLING_FLAGS], ids=lambda flag: flag.name)
+def test_each_engine_command_carries_each_flag_into_the_settings(commands, command, flag):
+    words, expected = FLAG_CASES[flag.name]
+    settings = settings_of(commands[command] + words)
+    target = settings.engine if flag in ENGINE_FLAGS else settings.sampling
+    assert getattr(target, flag.field) == expected
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench run"])
+def test_an_unset_flag_leaves_the_profile_value(commands, command, tmp_path):
+    profile = tmp_path / "p.toml"
+    profile.write_text('[engine]\nblock_size = 32\nmax_num_seqs = 5\n[sampling]\nmax_tokens = 9\n')
+    settings = settings_of(commands[command] + ["--profile", str(profile), "--max-num-seqs", "2"])
+    assert (settings.engine.block_size, settings.engine.max_num_seqs, settings.sampling.max_tokens) == (32, 2, 9)
+
+
+def test_bench_run_is_greedy_unless_temperature_is_given(commands):
+    assert settings_of(commands["bench run"]).sampling.temperature == 0.0
+    assert settings_of(commands["bench run"] + ["-t", "0.5"]).sampling.temperature == 0.5
+
+
+def test_chat_takes_the_model_as_an_argument_or_an_option(commands):
+    assert settings_of(["chat", "some/folder"]).model == "some/folder"
+    assert settings_of(["chat", "-m", "other"]).model == "other"
+    assert main(["chat", "a", "-m", "b"]) == 2
+
+
+# --- help -------------------------------------------------------------------------------------------
+
+
+def all_commands(command, path=()):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from all_commands(sub, (*path, name))
+
+
+COMMAND_PATHS = [path for path, _ in all_commands(typer.main.get_command(app)) if path]
+
+
+def rendered_help(path: tuple[str, ...], capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "120")
+    assert main([*path, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", [(), *COMMAND_PATHS], ids=lambda p: " ".join(p) or "pagecli")
+def test_help_shows_no_type_tags_and_capital_arguments(path, capsys, monkeypatch):
+    text = rendered_help(path, capsys, monkeypatch)
+    for tag in ("<bool>", "<str>", "<int>", "<float>", "<path>", "{"):
+        assert tag not in text, f"'{tag}' in the help of {' '.join(path)}"
+    usage = next(line for line in text.splitlines() if "Usage:" in line)
+    arguments = [word.strip("[].") for word in usage.split("[OPTIONS]")[-1].split()]
+    assert all(word == word.upper() for word in arguments), usage
+
+
+def test_generate_help_names_its_argument_and_gives_flags_no_value(capsys, monkeypatch):
+    text = rendered_help(("generate",), capsys, monkeypatch)
+    assert "Usage: pagecli generate [OPTIONS] INPUT" in text
+    assert re.search(r"--kv-budget-gib\s+GIB", text)
+    assert re.search(r"--no-prefix-caching\s+Recompute", text), "a flag shows no value placeholder"
+    assert re.search(r"--progress\s+--no-progress\s+Progress bar", text)
+
+
+def test_tidy_restyles_every_parameter():
+    command = help_style.tidy(typer.main.get_command(app))
+    for _, sub in all_commands(command):
+        for param in sub.params:
+            assert isinstance(param, (help_style.PlainArgument, help_style.PlainOption)), param
