@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagecli import native
+from pagecli.native import isa
 from pagecli.attention import AttentionMetadata
 from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig, SamplingParams
@@ -24,11 +25,14 @@ if not native.enabled():
     pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    module = native.cpu_ops()
-    assert module is not None, f"the CPU kernels did not build: {native.unavailable_reason()}"
-    return module
+COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
+
+
+@pytest.fixture(scope="module", params=COMPILED_LEVELS)
+def ops(request):
+    """The kernels of each instruction-set level this CPU runs (PAGECLI_CPU_ISA's choices): every test
+    that takes `ops` runs once per level, against the same PyTorch reference."""
+    return native.cpu_ops_for(request.param)
 
 
 # (atol, rtol) against float32 math on the same stored values.
@@ -346,6 +350,18 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(ti
     assert generate_tokens(tiny_llama, "float32") == with_kernels
 
 
+@pytest.mark.parametrize("level", COMPILED_LEVELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_level_forced_gives_the_pytorch_paths_greedy_tokens(tiny_llama, monkeypatch, level, dtype):
+    monkeypatch.setenv("PAGECLI_CPU_ISA", "torch")
+    monkeypatch.setattr(native, "_state", {})
+    reference = generate_tokens(tiny_llama, dtype)
+    monkeypatch.setenv("PAGECLI_CPU_ISA", level)
+    monkeypatch.setattr(native, "_state", {})
+    assert generate_tokens(tiny_llama, dtype) == reference
+    assert native.cpu_ops() is not None and native.level() == level
+
+
 def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_hits_or_batching(tiny_model_factory):
     # test_engine_invariance.py's checks, in bf16 with head size 32, where prefill and decode
     # attention run on AMX tiles (and the linear layers on AMX or oneDNN by row count).
@@ -372,7 +388,7 @@ def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_
 
 
 def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, monkeypatch):
-    def broken_build(progress):
+    def broken_build(progress, level_name):
         raise RuntimeError("Error building extension 'x':\nc++: error: unrecognized option\n")
 
     monkeypatch.setattr(native, "_state", {})

@@ -1,8 +1,14 @@
-"""pagecli's CPU kernels (cpu_ops.cpp), compiled once per machine and cached.
+"""pagecli's CPU kernels (cpu_ops.cpp), compiled once per machine and instruction-set level, and cached.
+
+One source, one build per level (isa.py): `amx` (AMX tiles, AVX-512 BF16), `avx512` (AVX-512 with
+BF16/VNNI where the CPU has them: Zen 4, Ice Lake), `avx2` (AVX2 + FMA: most laptops); the source's
+`#if` blocks pick each level's code. The highest level the CPU runs is used unless
+PAGECLI_CPU_ISA forces a lower one (`torch`: no native kernels, the PyTorch reference path).
 
 `cpu_ops()` returns the loaded extension, or None when it cannot be had: no C++ compiler,
-PAGECLI_NATIVE=0, or a failed build. Callers then take the plain PyTorch path, which gives the
-same results more slowly; `unavailable_reason()` says why, for a one-line warning.
+PAGECLI_NATIVE=0 or PAGECLI_CPU_ISA=torch, or a failed build. Callers then take the plain PyTorch
+path, which gives the same results more slowly; `unavailable_reason()` says why, for a one-line
+warning. `cpu_ops_for(level)` loads another level's build beside it (tests run every level).
 
 The build goes to `paths.native_dir()/<key>/` (the user cache), keyed by the source, the torch version and
 the CPU's instruction-set flags (the code is compiled for the machine it runs on). A file lock
@@ -24,16 +30,18 @@ from types import ModuleType
 from typing import Callable
 
 from pagecli import paths
+from pagecli.native import isa
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGECLI_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    native = os.environ.get("PAGECLI_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return native and isa.chosen_level(cpu_flags()) != "torch"
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,31 +58,40 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=1)
-def build_key() -> str:
-    """Names one build: the source, torch, the flags, this CPU and this Python."""
+def level() -> str:
+    """The instruction-set level whose kernels this process runs (isa.chosen_level)."""
+    return isa.chosen_level(cpu_flags())
+
+
+def _cflags(level_name: str) -> list[str]:
+    return [*_BASE_CFLAGS, *isa.LEVEL_CFLAGS[level_name]]
+
+
+@functools.lru_cache(maxsize=None)
+def build_key(level_name: str | None = None) -> str:
+    """Names one build: the source, torch, the level's flags, this CPU and this Python."""
     import torch
 
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_CFLAGS).encode(),
+    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_cflags(level_name or level())).encode(),
                  cpu_flags().encode(), sys.version.encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    return paths.native_dir() / build_key()
+def build_dir(level_name: str | None = None) -> Path:
+    return paths.native_dir() / build_key(level_name)
 
 
-def _build(progress: Callable[[str], None] | None) -> ModuleType:
+def _build(progress: Callable[[str], None] | None, level_name: str) -> ModuleType:
     """The extension: what a finished build left for this key, else compiled (or found by ninja) now."""
     import filelock
 
-    target = build_dir()
+    target = build_dir(level_name)
     paths.make_private_dir(target)
     with filelock.FileLock(str(target / ".build.lock")):
-        built = _load_built(target)
+        built = _load_built(target, level_name)
         if built is not None:
             return built
         from torch.utils import cpp_extension
@@ -82,11 +99,11 @@ def _build(progress: Callable[[str], None] | None) -> ModuleType:
         _put_ninja_on_path()
         (target / _BUILT_STAMP).unlink(missing_ok=True)  # ninja may relink (say, the source moved)
         if progress is not None and not any(target.glob("*.so")):
-            progress("Compiling pagecli's CPU kernels for this machine (once; about a minute)")
+            progress(f"Compiling pagecli's CPU kernels ({level_name}) for this machine (once; about a minute)")
         module = cpp_extension.load(
-            name=_module_name(),
+            name=_module_name(level_name),
             sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
+            extra_cflags=_cflags(level_name),
             extra_ldflags=["-fopenmp"],
             build_directory=str(target),
             verbose=False,
@@ -95,17 +112,17 @@ def _build(progress: Callable[[str], None] | None) -> ModuleType:
         return module
 
 
-def _module_name() -> str:
-    return f"pagecli_cpu_ops_{build_key()}"
+def _module_name(level_name: str) -> str:
+    return f"pagecli_cpu_ops_{build_key(level_name)}"
 
 
-def _load_built(target: Path) -> ModuleType | None:
+def _load_built(target: Path, level_name: str) -> ModuleType | None:
     """The library a finished build left in `target`, imported as cpp_extension.load would; None if none.
     Called under the build lock: a stamp there means no build is rewriting the library."""
-    library = target / f"{_module_name()}.so"
+    library = target / f"{_module_name(level_name)}.so"
     if not (target / _BUILT_STAMP).is_file() or not library.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(_module_name(), library)
+    spec = importlib.util.spec_from_file_location(_module_name(level_name), library)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
@@ -129,20 +146,29 @@ def _put_ninja_on_path() -> None:
 
 
 def cpu_ops(progress: Callable[[str], None] | None = None) -> ModuleType | None:
-    """The compiled kernels, building them on first use; None when unavailable."""
+    """The compiled kernels of this process's level, building them on first use; None when unavailable."""
     with _lock:
         if "module" in _state:
             return _state["module"]  # type: ignore[return-value]
         module: ModuleType | None = None
         if not enabled():
-            _state["reason"] = "PAGECLI_NATIVE=0 is set"
+            _state["reason"] = "PAGECLI_NATIVE=0 is set" if level() != "torch" else "PAGECLI_CPU_ISA=torch is set"
         else:
             try:
-                module = _build(progress)
+                module = _build(progress, level())
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
                 _state["reason"] = f"building them failed ({_first_error(exc)})"
         _state["module"] = module
         return module
+
+
+def cpu_ops_for(level_name: str, progress: Callable[[str], None] | None = None) -> ModuleType:
+    """The kernels built for `level_name` (one of isa.machine_levels() other than torch), beside this
+    process's own; raises when they cannot be built."""
+    if level_name not in isa.machine_levels(cpu_flags()) or level_name == "torch":
+        raise ValueError(f"this CPU cannot run the '{level_name}' kernels")
+    with _lock:
+        return _build(progress, level_name)
 
 
 def _first_error(exc: Exception) -> str:

@@ -5,9 +5,16 @@ from __future__ import annotations
 import sys
 
 from pagecli import native
+from pagecli.errors import PagecliError
+from pagecli.native import isa
 
 
 def main() -> int:
+    try:
+        native.level()
+    except PagecliError as exc:
+        print(f"pagecli: {exc}", file=sys.stderr)
+        return 2
     ops = native.cpu_ops(lambda message: print(f"==> {message}", flush=True))
     if ops is None:
         print(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}", file=sys.stderr)
@@ -18,7 +25,9 @@ def main() -> int:
         bf16 = "with the AVX512-BF16 matmul"
     else:
         bf16 = "without the AVX512-BF16 matmul"
-    print(f"==> CPU kernels ready ({bf16}) in {native.build_dir()}")
+    levels = isa.machine_levels(native.cpu_flags())
+    print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
+          f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
     return 0
 
 

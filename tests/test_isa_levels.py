@@ -1,0 +1,44 @@
+"""Instruction-set levels: what a CPU runs, what PAGECLI_CPU_ISA may force, and what the user is told."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagecli.errors import PagecliError
+from pagecli.native import isa
+
+XEON_AMX = "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8"
+ZEN4 = "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni"
+LAPTOP = "sse4_2 avx avx2 fma f16c"
+OLD = "sse4_2 avx"
+
+
+@pytest.mark.parametrize("flags, levels", [
+    (XEON_AMX, ("amx", "avx512", "avx2", "torch")),
+    (ZEN4, ("avx512", "avx2", "torch")),
+    (LAPTOP, ("avx2", "torch")),
+    (OLD, ("torch",)),
+])
+def test_a_cpu_runs_the_levels_its_flags_allow(flags, levels):
+    assert isa.machine_levels(flags) == levels
+
+
+def test_the_highest_level_is_chosen_unless_the_variable_lowers_it(monkeypatch):
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    assert isa.chosen_level(ZEN4) == "avx512"
+    monkeypatch.setenv(isa.ENV_VAR, "AVX2")
+    assert isa.chosen_level(ZEN4) == "avx2"
+    monkeypatch.setenv(isa.ENV_VAR, "auto")
+    assert isa.chosen_level(XEON_AMX) == "amx"
+
+
+@pytest.mark.parametrize("value, fragment", [("amx", "cannot run that level; it runs avx512, avx2, torch"),
+                                             ("sse", "is not a level")])
+def test_a_level_the_cpu_lacks_or_that_does_not_exist_is_refused(monkeypatch, value, fragment):
+    monkeypatch.setenv(isa.ENV_VAR, value)
+    with pytest.raises(PagecliError, match=fragment):
+        isa.chosen_level(ZEN4)
+
+
+def test_every_compiled_level_has_its_flags():
+    assert set(isa.LEVEL_CFLAGS) == set(isa.LEVELS) - {"torch"}
