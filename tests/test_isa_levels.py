@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pagecli.errors import PagecliError
@@ -42,3 +44,21 @@ def test_a_level_the_cpu_lacks_or_that_does_not_exist_is_refused(monkeypatch, va
 
 def test_every_compiled_level_has_its_flags():
     assert set(isa.LEVEL_CFLAGS) == set(isa.LEVELS) - {"torch"}
+
+
+@pytest.mark.parametrize("level, onednn", [("avx2", "AVX2"), ("avx512", "AVX512_CORE_BF16")])
+def test_a_forced_level_caps_pytorchs_own_libraries_too(monkeypatch, level, onednn):
+    monkeypatch.setenv(isa.ENV_VAR, level)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    isa.limit_libraries()
+
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == onednn
+
+
+def test_the_users_own_library_setting_is_kept(monkeypatch):
+    monkeypatch.setenv(isa.ENV_VAR, "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    isa.limit_libraries()
+
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "SSE41"

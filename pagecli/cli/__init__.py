@@ -18,6 +18,7 @@ from pagecli import __version__
 from pagecli.cli import help_style
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
+from pagecli.native import isa
 from pagecli.ui.progress import error_line
 
 app = typer.Typer(
@@ -102,6 +103,7 @@ _ABORTS = (click.exceptions.Abort, typer.Abort, KeyboardInterrupt)
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("PAGECLI_DEBUG") == "1"
+    isa.limit_libraries()
     _register_optional_commands()
     try:
         command = help_style.tidy(typer.main.get_command(app))

@@ -52,3 +52,19 @@ def chosen_level(cpu_flags: str) -> str:
         raise PagecliError(f"{ENV_VAR}={wanted}, but this CPU cannot run that level; it runs "
                            f"{', '.join(available)}.")
     return wanted
+
+
+# What PyTorch's own libraries may use at each forced level, so that a forced level measures what a
+# CPU of that kind runs, oneDNN's and MKL's products included (they pick their code at run time).
+_LIBRARY_LIMITS = {
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+
+def limit_libraries() -> None:
+    """When PAGECLI_CPU_ISA forces avx512 or avx2, cap oneDNN and MKL at that level too (unless the
+    user set their variables). Must run before torch first multiplies: both read them once."""
+    wanted = os.environ.get(ENV_VAR, "").strip().lower()
+    for name, value in _LIBRARY_LIMITS.get(wanted, {}).items():
+        os.environ.setdefault(name, value)
