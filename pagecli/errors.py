@@ -33,3 +33,14 @@ def request_failure(exc: BaseException) -> str | None:
     if isinstance(exc, (RecursionError, UnicodeError)):
         return f"the request could not be read ({type(exc).__name__}: {exc})"
     return None
+
+
+def request_error_of(exc: BaseException, what_failed: str,
+                     also: tuple[type[BaseException], ...] = ()) -> RequestError | None:
+    """`exc` as this request's RequestError, or None for a bug. Besides what `request_failure` knows,
+    the exception types in `also` count as the request's fault here, said as `what_failed` (the
+    tokenizer's TypeError on a lone surrogate, a template's own TypeError on some conversations)."""
+    message = request_failure(exc)
+    if message is None and isinstance(exc, also):
+        message = f"{what_failed} ({type(exc).__name__}: {exc})"
+    return None if message is None else RequestError(message)

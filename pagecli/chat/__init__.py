@@ -1,6 +1,6 @@
 """Chat: conversation state, prompt building with prefix reuse, history truncation, turns,
-slash commands and saved sessions. Plain Python: the Rich screen lives in `pagecli.ui`,
-the Typer command in `pagecli.cli.chat`.
+multi-line input, slash commands and saved sessions. Plain Python: the Rich screen lives in
+`pagecli.ui`, the Typer command in `pagecli.cli.chat`.
 """
 
 from pagecli.chat.controller import ChatController, ChatView

@@ -1,6 +1,7 @@
 """Slash commands: what the user can type besides a message, and how a line is read.
 
-A line starting with "/" is a command; "//" sends a message that starts with "/".
+A line starting with "/" is a command; "//" sends a message that starts with "/". What each
+command does is in `pagecli.chat.slash_commands`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "help": ("/help", "this list"),
     "system": ("/system [TEXT | -]", "show, set, or (with -) clear the system prompt"),
     "reset": ("/reset", "start over (the system prompt stays)"),
+    "retry": ("/retry", "a new reply to your last message, in place of the last one"),
+    "undo": ("/undo", "drop the last exchange (your message and its reply)"),
     "save": ("/save [NAME]", "save the conversation as a session (default: the current one)"),
     "load": ("/load NAME", "load a saved session (later saves go to it)"),
     "stats": ("/stats", "engine and block-pool statistics"),

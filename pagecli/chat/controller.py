@@ -1,9 +1,11 @@
-"""The chat loop without a screen: reads lines, runs slash commands and turns, keeps the session.
+"""The chat loop without a screen: reads entries, runs slash commands and turns, keeps the session.
 
 Both front ends drive it: the Rich screen on a terminal (`pagecli.ui.chat_screen`) and the
 plain text/JSONL mode (`pagecli.chat.plain`). They differ only in the ChatView they pass.
-Nothing a user types ends in a traceback: every PagecliError becomes one line and the chat
-goes on.
+Nothing a user types ends in a traceback: every PagecliError (a RequestError too: a chat
+template that rejects the conversation) becomes one line, the conversation stays as it was
+before that line, and the chat goes on. The slash commands themselves are in
+`pagecli.chat.slash_commands`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagecli.chat import session as sessions
-from pagecli.chat.commands import COMMANDS, Command, apply_settings, describe_sampling, parse_line, unknown_command_hint
-from pagecli.chat.conversation import Conversation, Turn
+from pagecli.chat.commands import Command, parse_line, unknown_command_hint
+from pagecli.chat.conversation import Conversation, Turn, readable_text
+from pagecli.chat.multiline import Entry, Message
 from pagecli.chat.prompt import BuiltPrompt, PromptBuilder
+from pagecli.chat.session_lock import SessionLock
+from pagecli.chat.slash_commands import HANDLERS
 from pagecli.chat.truncation import fit_prompt, reply_reserve_tokens
 from pagecli.chat.turn import StopFlag, TurnResult, TurnStats, TurnTracker, run_turn
 from pagecli.config.settings import SamplingParams
@@ -52,57 +57,94 @@ class ChatView(Protocol):
 class ChatOptions:
     truncate: bool = True  # False (--no-truncate): a too-long conversation is an error message
     session_name: str | None = None  # where /save without a name and autosave write
-    autosave: bool = False  # save the session after every turn
+    autosave: bool = False  # save the session after every turn (and hold its lock meanwhile)
     model_name: str | None = None  # as the user gave it; stored in sessions
 
 
 class ChatController:
     def __init__(self, engine: Any, sampling: SamplingParams, view: ChatView,
-                 conversation: Conversation | None = None, options: ChatOptions | None = None) -> None:
+                 conversation: Conversation | None = None, options: ChatOptions | None = None,
+                 session_lock: SessionLock | None = None) -> None:
         self.engine = engine
         self.sampling = sampling
         self.view = view
-        self.conversation = conversation or Conversation()
         self.options = options or ChatOptions()
+        self.session_lock = session_lock  # held while autosaving to options.session_name; released by close()
         self.builder = PromptBuilder(engine)
         self.stop = StopFlag()
         self.last_turn: TurnStats | None = None
         self.problems = 0  # lines that ended in an error message (plain mode's exit status)
+        self.conversation = Conversation()
+        self.adopt(conversation or Conversation())
 
     # --- the loop -----------------------------------------------------------------------------
-    def run(self, lines: Iterable[str]) -> None:
-        for line in lines:
-            if not self.handle_line(line):
+    def run(self, entries: Iterable[Entry]) -> None:
+        """Handle entries until they end or the user leaves; input that ends badly (inside a block) is
+        a problem line too."""
+        iterator = iter(entries)
+        while True:
+            try:
+                entry = next(iterator)
+            except StopIteration:
                 return
+            except PagecliError as exc:
+                self.problem(str(exc))
+                return
+            if not self.handle(entry):
+                return
+
+    def handle(self, entry: Entry) -> bool:
+        """Act on one entry (a typed line, or a block sent as a message); False when the user asked to leave."""
+        if isinstance(entry, Message):
+            if entry.text.strip():
+                self._guarded(self.send, readable_text(entry.text))
+            return True
+        return self.handle_line(entry)
 
     def handle_line(self, line: str) -> bool:
         """Act on one typed line; False when the user asked to leave."""
-        try:
-            parsed = parse_line(line)
-            if isinstance(parsed, Command):
-                return self._command(parsed)
-            if parsed:
-                self.send(parsed)
-        except PagecliError as exc:
-            self._problem(str(exc))
+        parsed = parse_line(readable_text(line))
+        if isinstance(parsed, Command):
+            return self._guarded(self._command, parsed) is not False
+        if parsed:
+            self._guarded(self.send, parsed)
         return True
 
-    def _problem(self, message: str) -> None:
+    def _guarded(self, action: Callable[[Any], Any], argument: Any) -> Any:
+        try:
+            return action(argument)
+        except PagecliError as exc:
+            self.problem(str(exc))
+            return None
+
+    def problem(self, message: str) -> None:
         self.problems += 1
         self.view.problem(message)
 
+    def _command(self, command: Command) -> bool:
+        if not command.known:
+            self.problem(unknown_command_hint(command.name))
+            return True
+        if command.name == "exit":
+            return False
+        HANDLERS[command.name](self, command.argument)
+        return True
+
+    def close(self) -> None:
+        """Let go of the session this chat held."""
+        if self.session_lock is not None:
+            self.session_lock.release()
+            self.session_lock = None
+
     # --- turns ----------------------------------------------------------------------------------
     def send(self, user_text: str) -> TurnRecord | None:
-        """One turn: fit the prompt, stream the reply, keep it (also when stopped), autosave."""
+        """One turn: fit the prompt, stream the reply, keep it (also when stopped), autosave.
+
+        Until the reply begins, nothing changes: a prompt the template rejects, or one that does not
+        fit, leaves the conversation as it was (the message is not kept)."""
         reserve = reply_reserve_tokens(self.sampling.max_tokens, self.engine.max_model_len)
         fitted = fit_prompt(self.conversation, user_text, self.builder, self.engine.fingerprint,
                             self.engine.max_model_len, reserve, self.options.truncate)
-        if fitted.dropped_turns:
-            self.conversation.drop_oldest(fitted.dropped_turns)
-            self.view.notice(
-                f"The conversation outgrew max_model_len ({self.engine.max_model_len} tokens): dropped the oldest "
-                f"{fitted.dropped_turns} turn(s), kept the system prompt and the newest turns."
-            )
         tracker = TurnTracker(self.engine, len(fitted.prompt.token_ids))
         record = None
         self.view.begin_reply(tracker.live_status)
@@ -113,12 +155,17 @@ class ChatController:
             record = self._keep(user_text, result, fitted.prompt, fitted.dropped_turns)
         finally:
             self.view.end_reply(record)
+        if fitted.dropped_turns and record is not None:
+            self.view.notice(
+                f"The conversation outgrew max_model_len ({self.engine.max_model_len} tokens): dropped the oldest "
+                f"{fitted.dropped_turns} turn(s), kept the system prompt and the newest turns."
+            )
         for warning in self._engine_warnings():
             self.view.notice(warning)
         if record is None:
             self.view.notice("Stopped before the reply began; the message was not added.")
         elif self.options.autosave:
-            self._autosave()
+            self.autosave()
         return record
 
     def _keep(self, user_text: str, result: TurnResult, prompt: BuiltPrompt,
@@ -127,6 +174,7 @@ class ChatController:
         self.last_turn = result.stats
         if result.finish_reason == "abort" and not result.token_ids:
             return None
+        self.conversation.drop_oldest(dropped_turns)
         self.conversation.add_turn(Turn(user_text, result.text, result.finish_reason))
         self.conversation.remember(self.builder.prefixes_after_reply(prompt, result.text, result.token_ids),
                                    self.engine.fingerprint)
@@ -144,67 +192,30 @@ class ChatController:
         take_warnings = getattr(self.engine, "take_warnings", None)
         return take_warnings() if take_warnings is not None else []
 
-    def _autosave(self) -> None:
+    # --- the session ------------------------------------------------------------------------------
+    def adopt(self, conversation: Conversation) -> None:
+        """Chat on with `conversation` (a new chat, --resume, /load); known prefixes holding ids this model
+        lacks (an edited file) are dropped with a notice, since the engine would refuse every prompt."""
+        spec = getattr(getattr(self.engine, "loaded", None), "spec", None)
+        vocab_size = getattr(spec, "vocab_size", None)
+        if isinstance(vocab_size, int) and conversation.drop_prefixes_outside(vocab_size):
+            self.view.notice("The session's cached token ids do not fit this model's vocabulary; they were "
+                             "dropped, and the next turn prefills the history again.")
+        self.conversation = conversation
+
+    def claim_session(self, name: str) -> None:
+        """With autosave, hold the lock of the session the chat saves to from now on (and let go of the
+        previous one); SessionBusy, with nothing changed, when another process holds it."""
+        if not self.options.autosave or (self.session_lock is not None and self.session_lock.name == name):
+            return
+        claimed = sessions.lock_session(name)
+        self.close()
+        self.session_lock = claimed
+
+    def autosave(self) -> None:
         name = self.options.session_name
         if name:
             try:
                 sessions.save_session(name, self.conversation, self.options.model_name)
             except PagecliError as exc:
-                self._problem(f"Autosave failed: {exc}")
-
-    # --- commands -------------------------------------------------------------------------------
-    def _command(self, command: Command) -> bool:
-        if not command.known:
-            self._problem(unknown_command_hint(command.name))
-            return True
-        if command.name == "exit":
-            return False
-        handler = getattr(self, f"_cmd_{command.name}")
-        handler(command.argument)
-        return True
-
-    def _cmd_help(self, argument: str) -> None:
-        self.view.show_help(list(COMMANDS.values()))
-
-    def _cmd_system(self, argument: str) -> None:
-        if not argument:
-            current = self.conversation.system
-            self.view.notice(f"System prompt: {current}" if current else "No system prompt is set.")
-        elif argument == "-":
-            self.conversation.set_system(None)
-            self.view.notice("System prompt cleared.")
-        else:
-            self.conversation.set_system(argument)
-            self.view.notice("System prompt set; it applies from the next message.")
-
-    def _cmd_reset(self, argument: str) -> None:
-        self.conversation.reset()
-        self.view.notice("Conversation cleared; the system prompt stays.")
-
-    def _cmd_save(self, argument: str) -> None:
-        name = argument or self.options.session_name or sessions.default_session_name()
-        path = sessions.save_session(name, self.conversation, self.options.model_name)
-        self.options.session_name = name
-        self.view.notice(f"Saved session '{name}' ({len(self.conversation.turns)} turns) to {path}.")
-
-    def _cmd_load(self, argument: str) -> None:
-        if not argument:
-            raise PagecliError("Usage: /load NAME; `pagecli chat --list-sessions` shows the saved sessions.")
-        conversation, data = sessions.load_session(argument)
-        self.conversation = conversation
-        self.options.session_name = argument
-        self.view.show_transcript(conversation)
-        saved_model = data.get("model")
-        note = f" (it was saved with model '{saved_model}')" if saved_model != self.options.model_name else ""
-        self.view.notice(f"Loaded session '{argument}': {len(conversation.turns)} turns{note}.")
-
-    def _cmd_stats(self, argument: str) -> None:
-        self.view.show_stats(self.engine.stats())
-
-    def _cmd_pool(self, argument: str) -> None:
-        self.view.toggle_pool(self.engine.stats(include_block_states=True), self.last_turn)
-
-    def _cmd_set(self, argument: str) -> None:
-        if argument:
-            self.sampling = apply_settings(self.sampling, argument)
-        self.view.notice(f"Sampling: {describe_sampling(self.sampling)}.")
+                self.problem(f"Autosave failed: {exc}")

@@ -1,15 +1,30 @@
 """The conversation: system prompt, finished turns, and the token ids the engine already knows.
 
-`known_prefixes` remembers texts whose token ids the model actually saw (the last prompt, and
-that prompt plus the reply it generated). The next prompt reuses those ids instead of
-re-tokenizing the reply, so its blocks hash the same and come from the prefix cache.
-They are tied to the engine fingerprint (tokenizer and chat template included).
+`known_prefixes` remembers texts whose token ids the model actually saw (the prompt a turn
+was built on, the last prompt, and that prompt plus the reply it generated). The next prompt
+reuses those ids instead of re-tokenizing the reply, so its blocks hash the same and come from
+the prefix cache; after /undo or /retry, the shorter ones still match. They are tied to the
+engine fingerprint (tokenizer and chat template included). Every text held here is valid
+Unicode: text from outside (arguments, files) goes through `readable_text` first.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+_NOT_AN_ESCAPED_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")  # surrogates outside surrogateescape's range
+
+
+def readable_text(text: str) -> str:
+    """`text` with what UTF-8 cannot hold replaced by U+FFFD: the surrogate escapes Python makes of
+    undecodable bytes in arguments (valid UTF-8 among them is kept), and lone surrogates a JSON
+    file can spell (\\ud800)."""
+    if text.isascii():
+        return text
+    text = _NOT_AN_ESCAPED_BYTE.sub("\ufffd", text)
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,13 @@ class Conversation:
         self.turns.append(turn)
         self.turns_total += 1
 
+    def take_last_turn(self) -> Turn | None:
+        """Remove the newest turn and return it (None when there is none); it no longer counts."""
+        if not self.turns:
+            return None
+        self.turns_total -= 1
+        return self.turns.pop()
+
     def drop_oldest(self, count: int) -> None:
         del self.turns[:count]
 
@@ -69,7 +91,15 @@ class Conversation:
         """Known prefixes usable by the engine with this fingerprint (none for another model)."""
         return self.known_prefixes if self.fingerprint == fingerprint else []
 
-    # --- JSON form (sessions) ----------------------------------------------------------------
+    def drop_prefixes_outside(self, vocab_size: int) -> int:
+        """Forget known prefixes holding ids the model does not have (an edited session file); how many went.
+        They are only a cache hint: without them the history is tokenized and prefilled afresh."""
+        kept = [p for p in self.known_prefixes if all(0 <= t < vocab_size for t in p.token_ids)]
+        dropped = len(self.known_prefixes) - len(kept)
+        self.known_prefixes = kept
+        return dropped
+
+    # --- JSON form (sessions; `pagecli.chat.session_format` reads it back) ----------------------
     def to_dict(self) -> dict[str, Any]:
         return {
             "system": self.system,
@@ -81,21 +111,3 @@ class Conversation:
                 "prefixes": [{"text": p.text, "token_ids": list(p.token_ids)} for p in self.known_prefixes],
             },
         }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Conversation:
-        """Raises KeyError, TypeError or ValueError on malformed data (the session loader words it)."""
-        system = data.get("system")
-        if system is not None and not isinstance(system, str):
-            raise ValueError("'system' must be a string")
-        turns = []
-        for item in data.get("turns", []):
-            user, assistant = item["user"], item["assistant"]
-            if not isinstance(user, str) or not isinstance(assistant, str):
-                raise ValueError("turn texts must be strings")
-            turns.append(Turn(user, assistant, str(item.get("finish_reason", "stop"))))
-        known = data.get("known_prefixes") or {}
-        prefixes = [KnownPrefix(str(p["text"]), tuple(int(t) for t in p["token_ids"]))
-                    for p in known.get("prefixes", [])]
-        turns_total = int(data.get("turns_total", len(turns)))
-        return cls(system or None, turns, max(turns_total, len(turns)), prefixes, known.get("fingerprint"))

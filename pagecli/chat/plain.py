@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from pagecli.chat.controller import LiveStatus, TurnRecord
 from pagecli.chat.conversation import Conversation
+from pagecli.chat.multiline import Entry, read_entries
 from pagecli.chat.turn import TurnStats
 from pagecli.engine.stats import EngineStats
 
@@ -25,12 +26,12 @@ def turn_record(record: TurnRecord) -> dict[str, Any]:
     }
 
 
-def input_lines(stream: Iterable[str]) -> Iterator[str]:
-    """One user message per line, without its line ending; blank lines are skipped."""
-    for line in stream:
-        text = line.rstrip("\r\n")
-        if text.strip():
-            yield text
+def input_entries(stream: Iterable[str]) -> Iterator[Entry]:
+    """One user message per line, or per block between two lines of three double quotes; blank lines
+    outside blocks are skipped. UnclosedBlock (a PagecliError) when the input ends inside a block."""
+    for entry in read_entries(line.rstrip("\r\n") for line in stream):
+        if not isinstance(entry, str) or entry.strip():
+            yield entry
 
 
 class PlainView:

@@ -8,6 +8,9 @@ template re-renders history differently (say, it strips earlier reasoning), a sh
 prefix (the previous prompt) or none matches and more text is tokenized afresh; the engine
 still reuses the longest matching block prefix, and the per-turn figures show honestly how
 much that was.
+
+A conversation the template or the tokenizer cannot take is a RequestError, worded by
+`request_failure` as for every other request: the chat says so and goes on.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagecli.chat.conversation import KnownPrefix
-from pagecli.errors import PagecliError
+from pagecli.errors import RequestError, request_error_of
+
+# Raised by a template's own expressions on some conversations ({{ 1 / 0 }}, {{ text + 1 }}): the
+# template is at fault, and only for this conversation, so the chat goes on.
+_TEMPLATE_BUGS = (TypeError, ValueError, ArithmeticError, LookupError)
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,7 @@ class BuiltPrompt:
     text: str | None  # the rendered template; None for a model without a chat template
     token_ids: tuple[int, ...]
     known_tokens: int  # leading ids taken from a known prefix rather than tokenized now
+    known_text: str = ""  # the text of those ids
 
 
 class PromptBuilder:
@@ -36,19 +44,25 @@ class PromptBuilder:
         self.has_template = bool(getattr(engine, "chat_template", None))
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        from jinja2 import TemplateError
-
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except (TemplateError, ValueError) as exc:  # templates raise on conversations they do not support
-            raise PagecliError(
-                f"The model's chat template rejects this conversation ({exc}); if it does not take a system "
-                "prompt, /system - removes it."
-            ) from exc
+        except Exception as exc:  # noqa: BLE001 - sorted by request_error_of: this conversation's fault or a bug
+            error = request_error_of(exc, "the chat template failed on this conversation", _TEMPLATE_BUGS)
+            if error is None:
+                raise
+            has_system = any(m.get("role") == "system" for m in messages)
+            hint = "; if the model takes no system prompt, /system - removes it" if has_system else ""
+            raise RequestError(_sentence(f"{error}{hint}")) from exc
 
     def tokenize(self, text: str) -> list[int]:
         # The template writes the special tokens itself, so the tokenizer must not add any.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - sorted by request_error_of, as Engine.encode does
+            error = request_error_of(exc, "the message could not be tokenized", (TypeError, ValueError))
+            if error is None:
+                raise
+            raise RequestError(_sentence(str(error))) from exc
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -58,19 +72,22 @@ class PromptBuilder:
             return BuiltPrompt(None, tuple(self.engine.encode_chat(messages)), 0)
         text = self.render(messages)
         for prefix in known:  # longest first
-            if prefix.token_ids and text.startswith(prefix.text) and len(text) > len(prefix.text):
-                rest = self.tokenize(text[len(prefix.text):])
-                return BuiltPrompt(text, prefix.token_ids + tuple(rest), len(prefix.token_ids))
+            if prefix.token_ids and text.startswith(prefix.text):  # equal: /retry sends the same prompt again
+                rest = self.tokenize(text[len(prefix.text):]) if len(text) > len(prefix.text) else []
+                return BuiltPrompt(text, prefix.token_ids + tuple(rest), len(prefix.token_ids), prefix.text)
         return BuiltPrompt(text, tuple(self.tokenize(text)), 0)
 
     def prefixes_after_reply(self, prompt: BuiltPrompt, reply_text: str,
                              reply_token_ids: Sequence[int]) -> list[KnownPrefix]:
         """What the next prompt may start with: the prompt, and the prompt plus the longest run of reply
         ids that decodes to a prefix of the reply text (all of them, unless the reply was cut by a stop
-        string, stopped mid-character, or holds special tokens the text leaves out)."""
+        string, stopped mid-character, or holds special tokens the text leaves out); and the known prefix
+        this prompt was built on, which is where the conversation stands again after /undo."""
         if prompt.text is None:
             return []
         prefixes = [KnownPrefix(prompt.text, prompt.token_ids)]
+        if 0 < prompt.known_tokens < len(prompt.token_ids):
+            prefixes.append(KnownPrefix(prompt.known_text, prompt.token_ids[:prompt.known_tokens]))
         count = self._longest_decoding_prefix(reply_token_ids, reply_text)
         if count:
             text = self.decode(reply_token_ids[:count])
@@ -96,3 +113,9 @@ class PromptBuilder:
             else:
                 high = mid
         return low
+
+
+def _sentence(message: str) -> str:
+    """A failure as the chat prints it: capitalized, ending with a full stop."""
+    message = message[:1].upper() + message[1:]
+    return message if message.endswith((".", "!", "?")) else message + "."

@@ -17,7 +17,8 @@ from pagecli.errors import PagecliError
 if TYPE_CHECKING:
     from pagecli.chat.controller import ChatOptions
     from pagecli.chat.conversation import Conversation
-    from pagecli.chat.session import SessionInfo
+    from pagecli.chat.session import SessionListing
+    from pagecli.chat.session_lock import SessionLock
     from pagecli.engine import Engine
 
 _DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded)"
@@ -63,45 +64,69 @@ def chat(
         raise typer.Exit(code)
 
 
-def _print_sessions(infos: list[SessionInfo]) -> None:
-    if not infos:
+def _print_sessions(listing: SessionListing) -> None:
+    for note in listing.skipped:  # a damaged file does not hide the others
+        typer.echo(note, err=True)
+    if not listing.sessions:
         typer.echo("No saved sessions; `pagecli chat --session NAME` starts one.")
         return
-    for info in infos:
+    for info in listing.sessions:
         typer.echo(f"{info.name:24} {info.turns:4} turns  {info.updated:25}  {info.model or _DEFAULT_MODEL_LABEL}")
 
 
 def run_chat(settings: o.RunSettings, system: str | None, session: str | None, resume: str | None,
              input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool) -> int:
-    """Load the model, then chat on the screen or in plain mode; returns the exit code."""
+    """Load the model, then chat on the screen or in plain mode; returns the exit code.
+
+    A named session is locked before the model loads (a second chat on it is refused at once, naming
+    the process that has it) and stays locked until the chat ends, since every turn saves it."""
     from pagecli.chat import session as sessions
-    from pagecli.chat.controller import ChatOptions
-    from pagecli.chat.conversation import Conversation
-    from pagecli.ui.progress import say
 
     if session and resume:
         raise PagecliError("Pass --session NAME to start a saved session or --resume NAME to continue one, not both.")
+    name = session or resume
+    lock = sessions.lock_session(name) if name else None
+    try:
+        conversation = _starting_conversation(session, resume, system)
+        return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _starting_conversation(session: str | None, resume: str | None, system: str | None) -> Conversation:
+    from pagecli.chat import session as sessions
+    from pagecli.chat.conversation import Conversation, readable_text
+
     if session and sessions.session_exists(session):
         raise PagecliError(f"A session named '{session}' exists; continue it with --resume {session}, or pick "
                            "another name.")
-    conversation = sessions.load_session(resume)[0] if resume else Conversation()
-    if system is not None and system != conversation.system:
-        conversation.set_system(system)
+    conversation = sessions.load_session(resume).conversation if resume else Conversation()
+    if system is not None:
+        system = readable_text(system)  # bytes the locale cannot decode arrive as surrogate escapes
+        if system != conversation.system:
+            conversation.set_system(system)
+    return conversation
+
+
+def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None, lock: SessionLock | None,
+          input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool) -> int:
+    from pagecli.chat.controller import ChatOptions
+    from pagecli.engine import Engine
+    from pagecli.ui.progress import say
+
     source = _open_input(input_path)
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # a stray byte in typed or piped text is not worth a failure
     plain = jsonl or input_path is not None or not (sys.stdin.isatty() and sys.stdout.isatty())
 
-    from pagecli.engine import Engine
-
     say("Loading model ...", style="dim")
     engine = Engine(settings.model, settings.engine)
-    options = ChatOptions(truncate=truncate, session_name=session or resume, autosave=bool(session or resume),
-                          model_name=settings.model)
+    options = ChatOptions(truncate=truncate, session_name=name, autosave=name is not None, model_name=settings.model)
     try:
         if plain:
-            return _run_plain(engine, settings, conversation, options, source, jsonl)
-        return _run_screen(engine, settings, conversation, options, pool_visible)
+            return _run_plain(engine, settings, conversation, options, lock, source, jsonl)
+        return _run_screen(engine, settings, conversation, options, lock, pool_visible)
     finally:
         close = getattr(engine, "close", None)  # finishes the disk prefix store's pending writes
         if close is not None:
@@ -118,22 +143,23 @@ def _open_input(input_path: str | None) -> TextIO:
 
 
 def _run_plain(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
-               source: TextIO, jsonl: bool) -> int:
+               lock: SessionLock | None, source: TextIO, jsonl: bool) -> int:
     from pagecli.chat.controller import ChatController
-    from pagecli.chat.plain import PlainView, input_lines
+    from pagecli.chat.plain import PlainView, input_entries
 
     controller = ChatController(engine, settings.sampling, PlainView(sys.stdout, sys.stderr, jsonl),
-                                conversation, options)
+                                conversation, options, lock)
     try:
-        controller.run(input_lines(source))
+        controller.run(input_entries(source))
     finally:
+        controller.close()
         if source is not sys.stdin:
             source.close()
     return 1 if controller.problems else 0
 
 
 def _run_screen(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
-                pool_visible: bool) -> int:
+                lock: SessionLock | None, pool_visible: bool) -> int:
     from pagecli.chat.controller import ChatController
     from pagecli.paths import data_dir
     from pagecli.ui.chat_screen import ChatScreen
@@ -142,5 +168,9 @@ def _run_screen(engine: Engine, settings: o.RunSettings, conversation: Conversat
     screen.welcome(settings.model or _DEFAULT_MODEL_LABEL, engine.stats(), options.session_name)
     if conversation.turns:
         screen.show_transcript(conversation)
-    ChatController(engine, settings.sampling, screen, conversation, options).run(screen.lines())
+    controller = ChatController(engine, settings.sampling, screen, conversation, options, lock)
+    try:
+        controller.run(screen.entries())
+    finally:
+        controller.close()
     return 0

@@ -28,7 +28,7 @@ from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
 from pagecli.engine.stats import EngineStats
 from pagecli.models.messages import developer_as_system, read_messages
-from pagecli.errors import PagecliError, RequestError, request_failure
+from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.models.fingerprint import model_fingerprint
 from pagecli.models.loader import LoadedModel, load_model
 from pagecli.store.blobs import BlockGeometry
@@ -201,13 +201,11 @@ class Engine:
             return self.encode_chat(prompt)  # type: ignore[arg-type]
         except RequestError:
             raise
-        except Exception as exc:  # noqa: BLE001 - sorted just below: a request's fault or a bug
-            message = request_failure(exc)
-            if message is None and isinstance(exc, (TypeError, ValueError)):
-                message = f"the prompt could not be tokenized ({type(exc).__name__}: {exc})"
-            if message is None:
+        except Exception as exc:  # noqa: BLE001 - sorted by request_error_of: a request's fault or a bug
+            error = request_error_of(exc, "the prompt could not be tokenized", (TypeError, ValueError))
+            if error is None:
                 raise
-            raise RequestError(message) from exc
+            raise error from exc
 
     def _checked_ids(self, token_ids: list[int]) -> list[int]:
         vocab_size = self.loaded.spec.vocab_size

@@ -3,7 +3,9 @@ block-pool panel (Rich Live), and the tables for /help and /stats.
 
 It renders what the controller hands it (text, TurnStats, EngineStats snapshots taken between
 engine steps) and computes nothing about the engine. Line editing and up/down history come
-from Python's readline on input().
+from Python's readline on input(). With GNU readline, bracketed paste is switched on (CPython
+switches it off), so text pasted with newlines arrives as one message; a block between two lines
+of three double quotes (`pagecli.chat.multiline`) works everywhere, libedit included.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rich.text import Text
 
 from pagecli.chat.controller import LiveStatus, TurnRecord
 from pagecli.chat.conversation import Conversation
+from pagecli.chat.multiline import BlockReader, Entry, UnclosedBlock
 from pagecli.chat.turn import TurnStats
 from pagecli.engine.stats import EngineStats
 from pagecli.ui.pool_panel import format_bytes, pool_panel, turn_line
@@ -44,17 +47,35 @@ class ChatScreen:
         self._interval_s = _REFRESH_INTERVAL_S
 
     # --- input --------------------------------------------------------------------------------
-    def lines(self) -> Iterator[str]:
-        """Typed lines until Ctrl-D or Ctrl-C at the prompt."""
-        prompt = "you> " if self.console.no_color else "\001\x1b[1;36m\002you>\001\x1b[0m\002 "
+    def entries(self) -> Iterator[Entry]:
+        """What the user types until Ctrl-D or Ctrl-C at the prompt: lines (a paste is one), and blocks
+        between two lines of three double quotes as one message. Ctrl-C inside a block drops the block,
+        not the chat."""
+        reader = BlockReader()
         while True:
             try:
-                line = input(prompt)
-            except (EOFError, KeyboardInterrupt):
+                line = input(self._prompt(reader.in_block))
+            except KeyboardInterrupt:
                 self.console.print()
+                if reader.drop_block():
+                    self.notice("Block dropped; nothing was sent.")
+                    continue
                 self._save_history()
                 return
-            yield line
+            except EOFError:
+                self.console.print()
+                if reader.in_block:
+                    self.problem(str(UnclosedBlock()))
+                self._save_history()
+                return
+            entry = reader.feed(line)
+            if entry is not None:
+                yield entry
+
+    def _prompt(self, in_block: bool) -> str:
+        text, style = ("...>", "2") if in_block else ("you>", "1;36")
+        # \001 and \002 tell readline that the colour codes take no room on the line.
+        return f"{text} " if self.console.no_color else f"\001\x1b[{style}m\002{text}\001\x1b[0m\002 "
 
     def _save_history(self) -> None:
         if self._readline is not None and self.history_file is not None:
@@ -141,7 +162,8 @@ class ChatScreen:
         for usage, what in rows:
             table.add_row(Text(usage, style="bold"), Text(what))
         self.console.print(table)
-        self.console.print("Start a message with // to send text that begins with /.", style="dim")
+        self.console.print('Start a message with // to send text that begins with /; a line holding only """ '
+                           "opens and closes a multi-line message.", style="dim", markup=False)
 
     def show_stats(self, stats: EngineStats) -> None:
         self.console.print(stats_table(stats))
@@ -182,6 +204,8 @@ def _setup_readline(history_file: Path | None) -> ModuleType | None:
     except ImportError:
         return None
     readline.set_history_length(_HISTORY_LINES)
+    if "libedit" not in (readline.__doc__ or ""):
+        readline.parse_and_bind("set enable-bracketed-paste on")
     if history_file is not None and history_file.is_file():
         try:
             readline.read_history_file(str(history_file))
