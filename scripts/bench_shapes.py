@@ -1,0 +1,111 @@
+"""pagecli against llama.cpp at realistic model sizes: llama-bench's figures and a batched one.
+
+    .venv/bin/python scripts/bench_shapes.py --model DIR --llama-cpp BUILD_BIN [--ggufs F16,Q8_0,Q4_0]
+        [--reps 3] [--threads 2] [--only pp512,tg128,batch]
+
+DIR is a folder made by scripts/make_shape_models.py (random weights of a real shape), with its
+GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the
+contenders alternating within every repetition; medians with the range:
+  pp512  a 512-token prompt prefilled (tokens/s), as llama-bench -p 512
+  tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128
+  batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
+         llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
+pagecli runs in bf16 (PAGECLI_CPU_ISA picks the kernel level); llama.cpp with -t THREADS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, sys, time, torch
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+task, model, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+engine = Engine(model, EngineConfig(dtype="bfloat16", disk_cache=False, max_num_batched_tokens=4096,
+                                    kv_budget_gib=2.0, max_num_seqs=16))
+gen = torch.Generator().manual_seed(0)
+def ids(n):
+    return torch.randint(100, 40000, (n,), generator=gen).tolist()
+engine.generate([ids(8)], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+def timed(prompts, new):
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    start = time.perf_counter(); first = None; tokens = 0
+    for ev in engine.stream():
+        tokens += len(ev.token_ids)
+        if first is None:
+            first = time.perf_counter()
+    return start, first, time.perf_counter(), tokens
+if task == "pp512":
+    start, first, end, _ = timed([ids(512)], 1)
+    rate = 512 / (first - start)
+elif task == "tg128":
+    start, first, end, tokens = timed([ids(1)], 128)
+    rate = (tokens - 1) / (end - first)
+else:
+    start, first, end, tokens = timed([ids(256) for _ in range(16)], 64)
+    rate = tokens / (end - start)
+print(json.dumps({"rate": rate}))
+"""
+
+
+def pagecli_rate(task: str, model: str, threads: int) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
+
+
+def llama_rate(task: str, gguf: str, bin_dir: str, threads: int) -> float:
+    if task == "batch":
+        out = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", "8192", "-b", "2048",
+                              "-ub", "512", "-npp", "256", "-ntg", "64", "-npl", "16", "-t", str(threads)],
+                             capture_output=True, text=True, check=True)
+        row = [line for line in out.stdout.splitlines() if re.match(r"\|\s+256 \|", line)][-1]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        total_tokens_s, new_tokens = float(cells[-1]), 16 * 64
+        total_s = float(cells[-2])
+        return new_tokens / total_s if total_s else total_tokens_s
+    flag = ["-p", "512", "-n", "0"] if task == "pp512" else ["-p", "0", "-n", "128"]
+    out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", "1", "-o", "json",
+                          *flag], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--llama-cpp", required=True, help="llama.cpp's build/bin folder")
+    ap.add_argument("--ggufs", default="F16,Q8_0,Q4_0")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", default="pp512,tg128,batch")
+    args = ap.parse_args()
+    model = args.model.rstrip("/")
+    contenders = {"pagecli bf16": lambda task: pagecli_rate(task, model, args.threads)}
+    for kind in args.ggufs.split(","):
+        contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,
+                                                                                              args.threads))
+    results: dict[tuple[str, str], list[float]] = {}
+    for task in args.only.split(","):
+        for rep in range(args.reps):
+            for name, run in contenders.items():
+                rate = run(task)
+                results.setdefault((task, name), []).append(rate)
+                print(f"  {task} rep {rep + 1} {name}: {rate:.1f} tok/s", flush=True)
+    print(f"\n{os.path.basename(model)}, {args.threads} threads, medians of {args.reps} alternating runs [min-max]")
+    for (task, name), rates in results.items():
+        print(f"{task:6} {name:18} {statistics.median(rates):8.1f} tok/s  [{min(rates):.1f}-{max(rates):.1f}]")
+
+
+if __name__ == "__main__":
+    main()
