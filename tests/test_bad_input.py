@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from tiny_models import with_template_prefix
 
 import pagecli.cli.chat  # noqa: F401 - registers `chat` on the app
 from pagecli.cli import main
@@ -149,13 +150,52 @@ def test_odd_lines_become_error_records_naming_the_line(tiny_llama, tmp_path, ca
     assert set(errors) == set(range(2, len(lines)))
     assert all(e.startswith(f"line {n}: ") for n, e in errors.items())
     expected = {2: "expected a JSON object", 3: "expected a JSON object", 4: "non-empty list",
-                5: "string 'content'", 6: "non-empty list", 7: "empty", 8: "'id' must be", 9: "'stop' must be",
+                5: "'content' must be a string", 6: "non-empty list", 7: "empty", 8: "'id' must be",
+                9: "'stop' must be",
                 10: "'top_k' must be an integer", 11: "top_p must be in (0, 1]", 12: "max_tokens must be at least 1",
                 13: "'temperature' must be a number", 14: "max_tokens must be at least 1",
                 15: "seed must fit in 64 bits"}
     for line, fragment in expected.items():
         assert fragment in errors[line], (line, errors[line])
     assert "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def model_with_a_strict_template(tiny_llama, tmp_path_factory):
+    """The tiny model, its chat template refusing a system message after the first (raise_exception)."""
+    return with_template_prefix(tiny_llama, tmp_path_factory.mktemp("strict-template") / "model")
+
+
+ONE_BAD_LINE = {
+    "the template raises": (json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "system", "content": "late"}]}),
+                            "the chat template rejected this conversation: System message must come first"),
+    "a lone surrogate in the prompt": ('{"prompt": "bad \\ud800 text"}', "line 3: the prompt could not be tokenized"),
+    "a lone surrogate in the id": ('{"id": "\\udc80", "prompt": ""}', "line 3: 'prompt' is empty"),
+    "JSON nested 100,000 deep": ("[" * 100_000 + "]" * 100_000, "line 3: invalid JSON (nested too deeply)"),
+    "a 5,000-digit integer": ('{"prompt": "hi", "seed": ' + "7" * 5000 + "}",
+                              "line 3: invalid JSON (Exceeds the limit (4300 digits)"),
+    "a prompt longer than the context": (json.dumps({"prompt": "fox " * 600}), "tokens; this engine holds at most"),
+}
+
+
+@pytest.mark.parametrize("fault", list(ONE_BAD_LINE))
+def test_one_line_that_fails_gets_its_error_record_and_the_other_three_are_answered(
+        fault, model_with_a_strict_template, tmp_path, capsys):
+    bad_line, message = ONE_BAD_LINE[fault]
+    src = tmp_path / "in.jsonl"
+    ok = [json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
+          '{"prompt": "hello"}', '{"prompt": "world"}']
+    src.write_text("\n".join([ok[0], ok[1], bad_line, ok[2]]) + "\n")
+    dst = tmp_path / "out.jsonl"
+    code, _, err = run(["generate", str(src), "-o", str(dst), "-m", str(model_with_a_strict_template), *GREEDY],
+                       capsys)
+    assert code == 0, err
+    out = records(dst)
+    assert [r["line"] for r in out] == [1, 2, 3, 4]
+    assert [r["completion_tokens"] for r in out if "text" in r] == [3, 3, 3]
+    assert set(out[2]) == {"id", "line", "error"} and message in out[2]["error"], out[2]
+    assert "Traceback" not in err and "Unexpected" not in err
 
 
 def test_a_one_megabyte_prompt_is_refused_for_its_line_and_the_rest_runs(tiny_llama, tmp_path, capsys):

@@ -49,6 +49,43 @@ def test_openai_batch_request_lines(tiny_llama, tmp_path):
     assert rec["id"] == "req-1" and rec["completion_tokens"] == 3
 
 
+def test_openai_content_parts_and_max_completion_tokens_are_accepted_and_images_refused(tiny_llama, tmp_path):
+    src = tmp_path / "batch.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}], "max_completion_tokens": 2},
+        {"custom_id": "img", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}},
+        {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Hello", "max_completion_tokens": 3}},
+        {"custom_id": "get", "method": "GET", "url": "/v1/chat/completions", "body": {"prompt": "Hello"}},
+        {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "Hello"}},
+    ]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert generate(tiny_llama, src, tmp_path / "out.jsonl") == 0
+    parts, image, legacy, get, embeddings = records(tmp_path / "out.jsonl")
+    assert parts["completion_tokens"] == 2 and legacy["completion_tokens"] == 3
+    assert image["id"] == "img" and "'image_url' part; this model takes text only" in image["error"]
+    assert get["error"] == 'line 4: \'method\' must be POST for a batch request (got "GET")'
+    assert "'url' \"/v1/embeddings\" is not an endpoint pagecli answers" in embeddings["error"]
+
+
+def test_lines_end_at_newline_only_with_crlf_and_a_bom_accepted(tiny_llama, tmp_path):
+    """U+2028, U+2029, U+0085 and a form feed inside a line do not end it (str.splitlines() would)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join([
+        json.dumps({"prompt": "one\u2028two\u2029three\x85four"}, ensure_ascii=False),
+        '{"prompt": "form\x0cfeed"}',
+        json.dumps({"id": "last", "prompt": "fox"}),
+    ]).encode() + b"\r\n")
+    assert generate(tiny_llama, src, tmp_path / "out.jsonl") == 0
+    first, form_feed, last = records(tmp_path / "out.jsonl")
+    assert first["line"] == 1 and first["completion_tokens"] == 6
+    assert form_feed["error"].startswith("line 2: invalid JSON (Invalid control character")
+    assert form_feed["error"].endswith("(Invalid control character at column 17)")  # once "at at column"
+    assert (last["line"], last["id"]) == (3, "last")
+
+
 def test_plain_text_one_prompt_per_line_skips_blank_lines(tiny_llama, tmp_path):
     src = tmp_path / "prompts.txt"
     src.write_text("Hello world\n\nThe quick brown fox\n")

@@ -1,36 +1,36 @@
-"""Batch files for `pagecli generate`: reading requests, and writing results that survive a kill.
+"""Batch input for `pagecli generate` (and `bench run FILE`): the input's lines, made into requests.
 
 Input: JSONL (`prompt` or `messages`, optional `id` and sampling fields), OpenAI batch-request
-lines (`custom_id`, `body.messages`, `body.max_tokens`, ...), or plain text with one prompt per
-line. Blank lines are skipped. A bad line becomes an error record that names its line number.
-
-Output: one JSONL record per input line, in input order, each written whole with one append
-and flushed. Re-running with the same output file skips lines already done and drops a
-half-written last line left by a killed run.
+lines (`custom_id`, `method`, `url`, `body.messages`, `body.max_completion_tokens`, ...), or plain
+text with one prompt per line. Lines end at `\\n` only (a `\\r` before it is dropped), so U+2028,
+U+0085 or a form feed inside a prompt never splits it; a leading UTF-8 BOM is dropped. Blank lines
+are skipped. A line that cannot become a request is a BadLine naming its line number, whatever
+raised: every per-line failure is worded by `request_failure`. Where results go is results_file.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from pagecli.errors import PagecliError
+from pagecli.errors import PagecliError, RequestError, request_failure
+from pagecli.models.messages import read_messages
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 _OPENAI_KEY_ALIASES = {"max_completion_tokens": "max_tokens"}
+OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
 class BatchRequest:
     line: int  # 1-based line number in the input
     request_id: str
-    prompt: str | list[dict[str, Any]]
+    prompt: str | list[dict[str, Any]]  # chat messages are already flattened by read_messages
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
@@ -38,23 +38,45 @@ class BatchRequest:
 class BadLine:
     line: int
     request_id: str
-    error: str
+    error: str  # starts with "line N: "
+
+
+def input_name(path: str) -> str:
+    return "stdin" if path == "-" else f"'{path}'"
+
+
+def read_requests(path: str, fmt: str) -> list[BatchRequest | BadLine]:
+    """Every non-blank line of the input as a request or a bad line; an input with none is an error."""
+    lines = read_input(path)
+    items = list(parse_requests(lines, detect_format(path, lines, fmt)))
+    if not items:
+        raise PagecliError(f"There are no requests in {input_name(path)}: every line is blank. Give one request "
+                           "per line (JSONL or plain text).")
+    return items
 
 
 def read_input(path: str) -> list[str]:
     """The input's lines; '-' reads stdin. Undecodable bytes are kept visible, not fatal."""
     try:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            data = Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except FileNotFoundError:
         raise PagecliError(f"Input file '{path}' does not exist.") from None
     except IsADirectoryError:
         raise PagecliError(f"Input '{path}' is a directory; pass a .jsonl or .txt file.") from None
     except OSError as exc:
         raise PagecliError(f"Cannot read input '{path}': {exc.strerror or exc}.") from None
-    return data.decode("utf-8", errors="replace").splitlines()
+    return split_lines(data)
+
+
+def split_lines(data: bytes) -> list[str]:
+    """Lines as a file's line numbers count them: split at b"\\n" only, not at every character that
+    str.splitlines() takes for a line end (U+2028, U+0085, \\x0c, a lone \\r)."""
+    if data.startswith(_BOM):
+        data = data[len(_BOM):]
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the input's last line break ends a line; it does not start one
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def detect_format(path: str, lines: list[str], requested: str) -> str:
@@ -77,95 +99,68 @@ def parse_requests(lines: list[str], fmt: str) -> Iterator[BatchRequest | BadLin
 
 
 def parse_json_line(raw: str, number: int) -> BatchRequest | BadLine:
-    default_id = f"line-{number}"
+    """One JSONL line as a request, or a BadLine with the line's id where it has a usable one."""
+    request_id = f"line-{number}"
+    try:
+        obj = _json_object(raw)
+        request_id = _request_id(obj, request_id)
+        body = _request_body(obj)
+        prompt = _prompt_of(body)
+    except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
+        message = request_failure(exc)
+        if message is None:
+            raise
+        return BadLine(number, request_id, f"line {number}: {message}")
+    sampling = {_OPENAI_KEY_ALIASES.get(k, k): v for k, v in body.items()
+                if _OPENAI_KEY_ALIASES.get(k, k) in SAMPLING_KEYS and v is not None}
+    return BatchRequest(number, request_id, prompt, sampling)
+
+
+def _json_object(raw: str) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        return BadLine(number, default_id, f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+        what = exc.msg.removesuffix(" at")  # "Invalid control character '\t' at": the column follows
+        raise RequestError(f"invalid JSON ({what} at column {exc.colno})") from None
+    except RecursionError:
+        raise RequestError("invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise RequestError(f"invalid JSON ({exc})") from None
     if not isinstance(obj, dict):
-        return BadLine(number, default_id, f"line {number}: expected a JSON object, got {type(obj).__name__}")
-    body = obj.get("body") if isinstance(obj.get("body"), dict) else obj
+        raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _request_id(obj: dict[str, Any], default_id: str) -> str:
     request_id = obj.get("custom_id", obj.get("id", default_id))
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-        return BadLine(number, default_id, f"line {number}: 'id' must be a string or an integer")
-    request_id = str(request_id)
-    prompt, problem = _prompt_of(body)
-    if problem:
-        return BadLine(number, request_id, f"line {number}: {problem}")
-    sampling = {_OPENAI_KEY_ALIASES.get(k, k): v for k, v in body.items()
-                if _OPENAI_KEY_ALIASES.get(k, k) in SAMPLING_KEYS and v is not None}
-    return BatchRequest(number, request_id, prompt, sampling)  # type: ignore[arg-type]
+        raise RequestError("'id' must be a string or an integer")
+    return str(request_id)
 
 
-def _prompt_of(body: dict[str, Any]) -> tuple[str | list[dict[str, Any]] | None, str | None]:
+def _request_body(obj: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields: an OpenAI batch line's `body` (for an endpoint pagecli answers), or the line."""
+    if "body" not in obj:
+        return obj
+    method, url = obj.get("method", "POST"), obj.get("url", OPENAI_BATCH_URLS[0])
+    if method != "POST":
+        raise RequestError(f"'method' must be POST for a batch request (got {json.dumps(method)})")
+    if url not in OPENAI_BATCH_URLS:
+        raise RequestError(f"'url' {json.dumps(url)} is not an endpoint pagecli answers; use "
+                           f"{' or '.join(OPENAI_BATCH_URLS)}")
+    if not isinstance(obj["body"], dict):
+        raise RequestError("'body' must be a JSON object")
+    return obj["body"]
+
+
+def _prompt_of(body: dict[str, Any]) -> str | list[dict[str, Any]]:
     if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            return None, "'messages' must be a non-empty list"
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-                return None, "each message needs a string 'role' and a string 'content'"
-        return messages, None
+        return read_messages(body["messages"])
     if "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
-            return None, "'prompt' must be a string"
+            raise RequestError("'prompt' must be a string")
         if not prompt.strip():
-            return None, "'prompt' is empty"
-        return prompt, None
-    return None, "needs a 'prompt' string or a 'messages' list"
-
-
-class ResultWriter:
-    """Appends result records in input order; each record is one write of one complete line."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.done_lines: set[int] = set()
-        self._stream: IO[str]
-        self._regular_file = False  # only a regular file is resumed from and synced to disk
-        if path == "-":
-            self._stream = sys.stdout
-        else:
-            self.done_lines = _recover(Path(path))
-            try:
-                self._stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            except OSError as exc:
-                raise PagecliError(f"Cannot write output '{path}': {exc.strerror or exc}.") from None
-            self._regular_file = stat.S_ISREG(os.fstat(self._stream.fileno()).st_mode)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._stream.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._stream.flush()
-        if self._regular_file:
-            os.fsync(self._stream.fileno())  # /dev/null or a pipe refuses fsync (EINVAL)
-
-    def close(self) -> None:
-        if self._stream is not sys.stdout:
-            self._stream.close()
-
-
-def _recover(path: Path) -> set[int]:
-    """Line numbers already answered in an existing output file; a trailing partial line is cut off."""
-    if not path.exists():
-        return set()
-    if path.is_dir():
-        raise PagecliError(f"Output '{path}' is a directory; pass a file path.")
-    if not path.is_file():
-        return set()  # /dev/null, a named pipe: nothing to resume from
-    data = path.read_bytes()
-    complete_end = data.rfind(b"\n") + 1
-    if complete_end < len(data):
-        with path.open("r+b") as f:
-            f.truncate(complete_end)  # the half-written line of a killed run
-    done: set[int] = set()
-    for raw in data[:complete_end].splitlines():
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            raise PagecliError(
-                f"Output '{path}' holds a line that is not JSON; it is not a pagecli result file. Choose another -o."
-            ) from None
-        if isinstance(record, dict) and isinstance(record.get("line"), int):
-            done.add(record["line"])
-    return done
+            raise RequestError("'prompt' is empty")
+        return prompt
+    raise RequestError("needs a 'prompt' string or a 'messages' list")

@@ -1,4 +1,9 @@
-"""`pagecli generate`: batch file-to-file generation with continuous batching and resume."""
+"""`pagecli generate`: batch file-to-file generation with continuous batching and resume.
+
+The input is read by batch_io.py; the output is checked by results_file.py before anything is
+written, and written by results_writer.py (locked, journaled, in input order). A line that cannot
+run, whatever raised, becomes that line's error record through `request_failure`; the rest go on.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,12 @@ from dataclasses import asdict
 from typing import Any
 
 from pagecli.chat.turn import StopFlag
-from pagecli.cli.batch_io import BadLine, BatchRequest, ResultWriter, detect_format, parse_requests, read_input
+from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests
 from pagecli.cli.options import RunSettings
+from pagecli.cli.results_file import plan_resume, scan_output
+from pagecli.cli.results_writer import ResultWriter, open_results
 from pagecli.config import SamplingParams
-from pagecli.errors import PagecliError
+from pagecli.errors import PagecliError, request_failure
 from pagecli.ui.progress import GenerateProgress, load_summary, say
 
 _NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
@@ -40,24 +47,35 @@ def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) ->
 
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
-                 progress: bool | None) -> int:
-    lines = read_input(input_path)
-    items = list(parse_requests(lines, detect_format(input_path, lines, fmt)))
-    writer = ResultWriter(output_path)
-    try:
-        return _generate(settings, items, writer, input_path, output_path, progress)
-    finally:
-        writer.close()
-
-
-def _generate(settings: RunSettings, items: list[BatchRequest | BadLine], writer: ResultWriter,
-              input_path: str, output_path: str, progress: bool | None) -> int:
-    todo = [it for it in items if it.line not in writer.done_lines]
-    if not todo:
-        say(f"Nothing to do: all {len(items)} requests in '{input_path}' already have results in '{output_path}'.")
+                 progress: bool | None, retry_errors: bool = False) -> int:
+    """Runs every input line without a result in the output (with `retry_errors`, also those whose result
+    is an error); the exit code: 0, 1 when every line run failed, 130 when interrupted."""
+    items = read_requests(input_path, fmt)
+    lines = [it.line for it in items]
+    # Checked before the lock is taken, so a finished output in a read-only folder needs no lock file.
+    plan = plan_resume(scan_output(output_path, input_path), lines, retry_errors)
+    if plan.settled and not plan.todo:
+        say(_nothing_to_do(len(items), input_path, output_path, retry_errors))
         return 0
-    if writer.done_lines:
-        say(f"Resuming: {len(items) - len(todo)} of {len(items)} requests already done in '{output_path}'.")
+    with open_results(output_path, input_path, lines, retry_errors) as writer:
+        todo = [it for it in items if it.line in writer.plan.todo]
+        if not todo:  # every result was saved; a killed run left them to be put in order
+            writer.finish()
+            say(_nothing_to_do(len(items), input_path, output_path, retry_errors))
+            return 0
+        if writer.plan.kept:
+            say(f"Resuming: {writer.plan.kept} of {len(items)} requests already done in '{output_path}'.")
+        return _generate(settings, todo, writer, progress)
+
+
+def _nothing_to_do(count: int, input_path: str, output_path: str, retry_errors: bool) -> str:
+    none_failed = ", none of them an error" if retry_errors else ""
+    return (f"Nothing to do: all {count} requests in {input_name(input_path)} already have results in "
+            f"'{output_path}'{none_failed}.")
+
+
+def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
+              progress: bool | None) -> int:
     from pagecli.engine import Engine
 
     say("Loading model ...", style="dim")
@@ -71,37 +89,31 @@ def _generate(settings: RunSettings, items: list[BatchRequest | BadLine], writer
             say(f"Warning: {warning}", style="yellow")
 
 
+def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: ResultWriter) -> bool:
+    """Queues one line; a line that cannot run gets its error record at once. True when queued."""
+    if isinstance(item, BadLine):
+        writer.save({"id": item.request_id, "line": item.line, "error": item.error})
+        return False
+    try:
+        engine.add_request(item.prompt, line_sampling(settings.sampling, item.sampling, item.line), str(item.line))
+    except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
+        message = request_failure(exc)
+        if message is None:
+            raise
+        prefix = "" if message.startswith(f"line {item.line}: ") else f"line {item.line}: "
+        writer.save({"id": item.request_id, "line": item.line, "error": prefix + message})
+        return False
+    return True
+
+
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
            progress: bool | None) -> int:
-    order = [it.line for it in todo]
     ids = {it.line: it.request_id for it in todo}
-    ready: dict[int, dict[str, Any]] = {}
-    next_index = 0
-    errors = 0
-
-    def flush() -> None:
-        nonlocal next_index
-        while next_index < len(order) and order[next_index] in ready:
-            writer.write(ready.pop(order[next_index]))
-            next_index += 1
-
-    for it in todo:
-        if isinstance(it, BadLine):
-            ready[it.line] = {"id": it.request_id, "line": it.line, "error": it.error}
-            errors += 1
-            continue
-        try:
-            engine.add_request(it.prompt, line_sampling(settings.sampling, it.sampling, it.line), str(it.line))
-        except PagecliError as exc:
-            message = str(exc) if str(exc).startswith("line ") else f"line {it.line}: {exc}"
-            ready[it.line] = {"id": it.request_id, "line": it.line, "error": message}
-            errors += 1
-    flush()
+    errors = sum(not _submit(engine, settings, it, writer) for it in todo)
     texts: dict[int, list[str]] = {}
     start = time.perf_counter()
     tokens = 0
-    done = len(ready) + next_index
-    # Ctrl-C only sets the flag, checked between results, so the count below is what the file holds;
+    # Ctrl-C only sets the flag, checked between results, so the count below is what the files hold;
     # a second Ctrl-C raises KeyboardInterrupt at once.
     stop = StopFlag()
     try:
@@ -111,22 +123,21 @@ def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine
                 texts.setdefault(line, []).append(ev.text)
                 tokens += len(ev.token_ids)
                 if ev.finished:
-                    ready[line] = {
+                    writer.save({
                         "id": ids[line], "line": line, "text": "".join(texts.pop(line)),
                         "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
                         "completion_tokens": ev.completion_tokens, "cached_tokens": ev.cached_tokens,
-                    }
-                    done += 1
-                    flush()
-                    bar.update(done, tokens / max(time.perf_counter() - start, 1e-9), engine.stats())
+                    })
+                    bar.update(writer.saved, tokens / max(time.perf_counter() - start, 1e-9), engine.stats())
                 if stop():
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        say(f"Interrupted: {next_index} of {len(order)} results written; run the same command again to resume.",
+        say(f"Interrupted: {writer.saved} of {len(todo)} results saved; run the same command again to resume.",
             style="yellow")
         return 130
-    _summary(engine, len(order), errors, tokens, time.perf_counter() - start)
-    return 1 if errors and errors == len(order) else 0
+    writer.finish()
+    _summary(engine, len(todo), errors, tokens, time.perf_counter() - start)
+    return 1 if errors == len(todo) else 0
 
 
 def _summary(engine: Any, total: int, errors: int, tokens: int, elapsed_s: float) -> None:
