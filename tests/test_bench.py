@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -158,6 +159,58 @@ def test_lengths_come_from_a_list_a_file_or_a_seeded_distribution(tmp_path):
     assert all(1 <= n <= 512 for n in parse_lengths("lognormal:300,1.5", 50, 0, 512))
     with pytest.raises(PagecliError, match="whole number"):
         parse_lengths("800,lots", 0, 0, 4096)
+
+
+def test_a_long_tailed_distribution_is_clipped_to_max_len_instead_of_overflowing():
+    drawn = parse_lengths("lognormal:100,1000", 200, 0, 4096)  # e**(1000 sigma) is past any float
+    assert all(1 <= n <= 4096 for n in drawn) and {1, 4096} <= set(drawn)
+    assert drawn == parse_lengths("lognormal:100,1000", 200, 0, 4096)
+
+
+def test_lengths_drawn_in_log_space_are_the_ones_a_seed_always_gave():
+    rng = random.Random(0)
+    before = tuple(min(max(round(rng.lognormvariate(math.log(300), 1.5)), 1), 512) for _ in range(50))
+    assert parse_lengths("lognormal:300,1.5", 50, 0, 512) == before
+
+
+BAD_MEMORY_FLAGS = {  # id: (flags, what the one line says)
+    "an unknown dtype": (["--dtype", "int4"], "--dtype must be one of auto, float32, bfloat16, float16 (got 'int4')"),
+    "an unknown dtype with a model": (["--dtype", "int4", "-m", "{tiny}"], "--dtype must be one of"),
+    "max-len 0": (["--max-len", "0"], "--max-len must be at least 1 (got 0)"),
+    "max-len 0 with a model": (["--max-len", "0", "-m", "{tiny}"], "--max-len must be at least 1 (got 0)"),
+    "uniform from 0": (["-l", "uniform:0-0"], "lower bound of 0 tokens; request lengths must be at least 1"),
+    "normal below one token": (["-l", "normal:0.5,3"], "mean of 0.5 tokens"),
+    "lognormal below one token": (["-l", "lognormal:0.2,1"], "median of 0.2 tokens"),
+    "a mean past any float": (["-l", "normal:1" + "0" * 400 + ",5"], "has a number too large to use"),
+    "count 0": (["--count", "0"], "--count must be between 1 and 1,000,000"),
+    "a budget past an exbibyte": (["--budget", "9" * 40 + "GiB", "--kv-bytes-per-token", "8"], "more than 1 EiB"),
+    "KV bytes past an exbibyte": (["--kv-bytes-per-token", "1" + "0" * 40], "KV bytes per token must be between"),
+    "a block size past any context": (["-b", "1" + "0" * 40], "Every block size must be between"),
+    "a list too long for a file name": (["-l", "5," * 200 + "5", "--max-len", "10"], None),
+}
+
+
+@pytest.mark.parametrize("case", [case for case, flags in BAD_MEMORY_FLAGS.items() if flags])
+def test_bench_memory_flags_that_describe_no_report_are_one_sentence(case, tiny_llama, capsys):
+    from pagecli.cli import main
+
+    flags, fragment = BAD_MEMORY_FLAGS[case]
+    code = main(["bench", "memory", *(flag.format(tiny=tiny_llama) for flag in flags)])
+    err = capsys.readouterr().err
+    if fragment is None:  # a valid request: a report, not a traceback
+        assert code == 0, err
+        return
+    lines = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert code == 2 and len(lines) == 1 and "Unexpected" not in err, err
+    assert fragment in lines[0], lines[0]
+
+
+def test_bench_memory_with_a_huge_lognormal_sigma_reports(capsys):
+    from pagecli.cli import main
+
+    assert main(["bench", "memory", "-l", "lognormal:100,1000", "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert max(document["inputs"]["lengths"]) == 4096
 
 
 # --- workloads and summaries -----------------------------------------------------------------------

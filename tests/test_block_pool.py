@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagecli.config import SamplingParams
-from pagecli.engine.block_pool import BlockPool
+from pagecli.engine.block_pool import BlockPool, PoolCounts
 from pagecli.engine.hashing import block_hash, chain_hashes, root_hash
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.sequence import Sequence
@@ -104,6 +106,55 @@ def test_release_frees_tail_first_so_heads_outlive_tails():
     kv.free(seq)
     order = [pool.allocate().block_id for _ in range(4)]
     assert order == [partial, tail, middle, head]  # the empty block first, then the chain from its tail
+
+
+def test_reuse_order_is_released_free_blocks_then_never_used_ones_then_cached_ones_oldest_first():
+    pool = BlockPool(6, BLOCK)
+    first, second, third, fourth = (pool.allocate() for _ in range(4))
+    pool.register(third, block_hash(ROOT, [1, 2, 3, 4]), [1, 2, 3, 4])
+    pool.register(fourth, block_hash(ROOT, [5, 6, 7, 8]), [5, 6, 7, 8])
+    for block in (fourth, third, first, second):
+        pool.release(block)
+    order = [pool.allocate().block_id for _ in range(6)]
+    assert order == [second.block_id, first.block_id, 4, 5, fourth.block_id, third.block_id]
+    assert pool.evictions == 2
+
+
+def test_a_million_block_pool_is_built_without_an_object_per_block():
+    tracemalloc.start()
+    try:
+        pool = BlockPool(1_000_000, 16, True)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 1 << 20, f"building the pool took {peak_bytes / (1 << 20):.1f} MiB"
+    blocks = [pool.allocate() for _ in range(3)]
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert pool.counts() == PoolCounts(total=1_000_000, free=999_997, cached=0, active=3, shared=0)
+    assert pool.block_states()[:4] == ["active", "active", "active", "free"]
+    for block in blocks:
+        pool.release(block)
+    pool.check_invariants()
+    assert pool.counts().free == 1_000_000
+
+
+def test_shared_blocks_are_counted_as_references_come_and_go():
+    pool = BlockPool(4, BLOCK)
+    block = pool.allocate()
+    pool.register(block, block_hash(ROOT, [1, 2, 3, 4]), [1, 2, 3, 4])
+    pool.touch(block)
+    pool.touch(block)
+    assert pool.counts().shared == 1 and pool.block_states()[block.block_id] == "shared"
+    pool.release(block)
+    assert pool.counts().shared == 1
+    pool.release(block)
+    assert pool.counts().shared == 0 and pool.counts().active == 1
+    pool.release(block)
+    assert pool.counts() == PoolCounts(total=4, free=3, cached=1, active=0, shared=0)
+    pool.touch(block)  # a prefix hit on the cached block
+    assert pool.counts() == PoolCounts(total=4, free=3, cached=0, active=1, shared=0)
+    pool.release(block)
+    pool.check_invariants()
 
 
 def test_hashes_are_stable_across_processes():

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagecli.bench.units import MAX_SIZE_BYTES
 from pagecli.errors import PagecliError
+
+MAX_TOKENS = 1 << 40  # beyond any model's context; keeps every byte figure within a float's range
 
 
 def blocks_for(length: int, block_size: int) -> int:
@@ -178,10 +181,10 @@ def _validate(lengths: Sequence[int], max_len: int, block_sizes: Sequence[int], 
               kv_bytes_per_token: int | None, budget_bytes: int | None) -> None:
     if not lengths:
         raise PagecliError("No request lengths were given.")
-    if max_len < 1:
-        raise PagecliError(f"--max-len must be at least 1 (got {max_len}).")
-    if not block_sizes or min(block_sizes) < 1:
-        raise PagecliError("Every block size must be at least 1.")
+    if not 1 <= max_len <= MAX_TOKENS:
+        raise PagecliError(f"--max-len must be between 1 and {MAX_TOKENS:,} tokens (got {max_len}).")
+    if not block_sizes or not 1 <= min(block_sizes) <= max(block_sizes) <= MAX_TOKENS:
+        raise PagecliError(f"Every block size must be between 1 and {MAX_TOKENS:,} tokens.")
     if min(lengths) < 1:
         raise PagecliError(f"Request lengths must be at least 1 token (got {min(lengths)}).")
     if max(lengths) > max_len:
@@ -195,7 +198,7 @@ def _validate(lengths: Sequence[int], max_len: int, block_sizes: Sequence[int], 
             f"Every request must be longer than the shared prefix of {shared_prefix_tokens} tokens "
             f"(the shortest has {min(lengths)})."
         )
-    if kv_bytes_per_token is not None and kv_bytes_per_token < 1:
-        raise PagecliError("KV bytes per token must be at least 1.")
+    if kv_bytes_per_token is not None and not 1 <= kv_bytes_per_token <= MAX_SIZE_BYTES:
+        raise PagecliError(f"KV bytes per token must be between 1 and {MAX_SIZE_BYTES:,} (got {kv_bytes_per_token}).")
     if budget_bytes is not None and kv_bytes_per_token is None:
         raise PagecliError("A budget needs the KV size of a token: name a --model or give --kv-bytes-per-token.")

@@ -39,8 +39,8 @@ def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     from pagecli.models.source import DEFAULT_MODEL_NAME
     from pagecli.models.spec import DecoderSpec
 
-    hf_config = _hf_config(model)
-    spec = DecoderSpec.from_hf_config(hf_config)
+    hf_config, source = _hf_config(model)
+    spec = DecoderSpec.from_hf_config(hf_config, source)
     torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
     context = min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
     if spec.sliding_window:
@@ -53,19 +53,21 @@ def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     )
 
 
-def _hf_config(model: str) -> Any:
+def _hf_config(model: str) -> tuple[Any, str]:
+    """The model's config and where it was read (named in errors about its fields)."""
     from pagecli.models import source
     from pagecli.models.loader import load_hf_config
 
     path = Path(model).expanduser()
     if path.is_dir():
-        return load_hf_config(path)
+        return load_hf_config(path), str(path / "config.json")
     if model in DEFAULT_MODEL_ALIASES:
-        return _gguf_config(source.default_model_gguf())
+        gguf = source.default_model_gguf()
+        return _gguf_config(gguf), str(gguf)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _gguf_config(path)
+        return _gguf_config(path), str(path)
     if source.looks_like_hub_id(model):
-        return _hub_config(model)
+        return _hub_config(model), model
     raise ModelError(
         f"Model '{model}' is neither a folder, a .gguf file, a hub id nor 'default'; "
         "or leave out --model and give --kv-bytes-per-token."

@@ -8,6 +8,7 @@ of 1024; SI units (kB, MB, GB, TB) are powers of 1000; a bare number is bytes.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from pagecli.errors import PagecliError
 
@@ -20,6 +21,7 @@ _MULTIPLIERS = {
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+MAX_SIZE_BYTES = 1 << 60  # an exbibyte: a larger size is a typo, and would not even print as a float
 
 
 def parse_size(text: str) -> int:
@@ -28,7 +30,10 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _MULTIPLIERS:
         raise PagecliError(f"Cannot read the size '{text}'; write it like 8GiB, 512MiB, 500MB or 1048576 (bytes).")
-    return int(float(match.group(1)) * _MULTIPLIERS[unit])
+    num_bytes = int(Fraction(match.group(1)) * _MULTIPLIERS[unit])  # exact: a float of 400 digits is inf
+    if num_bytes > MAX_SIZE_BYTES:
+        raise PagecliError(f"The size '{text.strip()}' is more than 1 EiB; no memory or disk is that large.")
+    return num_bytes
 
 
 def format_bytes(num_bytes: float) -> str:

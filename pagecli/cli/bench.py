@@ -69,13 +69,15 @@ def memory(
 
     if model and kv_bytes_per_token is not None:
         raise PagecliError("Give --model or --kv-bytes-per-token, not both.")
+    _check_memory_flags(dtype, max_len)
     model_kv = None
     if model:
         from pagecli.bench.model_info import model_kv as read_model_kv
 
         model_kv = read_model_kv(model, dtype)
         kv_bytes_per_token = model_kv.kv_bytes_per_token
-    max_len = max_len or (model_kv.context_len if model_kv else _DEFAULT_MAX_LEN)
+    if max_len is None:
+        max_len = model_kv.context_len if model_kv else _DEFAULT_MAX_LEN
     report = memory_report(
         parse_lengths(lengths, count, seed, max_len), max_len, _block_sizes(block_size), shared_prefix,
         kv_bytes_per_token, parse_size(budget) if budget else None,
@@ -83,6 +85,15 @@ def memory(
     print_view(memory_view(report, model_kv), _console(json_path))
     if json_path:
         write_json(memory_document(report, model_kv), json_path)
+
+
+def _check_memory_flags(dtype: str, max_len: int | None) -> None:
+    from pagecli.config.settings import DTYPE_CHOICES
+
+    if dtype not in DTYPE_CHOICES:
+        raise PagecliError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)} (got '{dtype}').")
+    if max_len is not None and max_len < 1:
+        raise PagecliError(f"--max-len must be at least 1 (got {max_len}).")
 
 
 def _block_sizes(text: str) -> list[int]:

@@ -60,15 +60,30 @@ def find_profile(name_or_path: str | None) -> Path | None:
         default = PROFILES_DIR / f"{DEFAULT_PROFILE}.toml"
         return default if default.is_file() else None
     as_path = Path(name_or_path).expanduser()
-    if as_path.suffix == ".toml" or as_path.is_file() or "/" in name_or_path:
-        if not as_path.is_file():
-            raise PagecliError(f"Profile file '{name_or_path}' does not exist.")
+    if as_path.suffix == ".toml" or _is_file(as_path) or "/" in name_or_path:
+        if not _is_file(as_path):
+            missing = "is a folder, not a TOML file" if _is_dir(as_path) else "does not exist"
+            raise PagecliError(f"Profile file '{name_or_path}' {missing}.")
         return as_path
     named = PROFILES_DIR / f"{name_or_path}.toml"
-    if not named.is_file():
+    if not _is_file(named):
         names = ", ".join(p.stem for p in available_profiles()) or "none"
         raise PagecliError(f"Unknown profile '{name_or_path}'; available profiles: {names}.")
     return named
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def load_profile(name_or_path: str | None = None) -> Profile:

@@ -5,6 +5,7 @@ One place defines every tunable; profiles (TOML) and command-line flags only fil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from pagecli.errors import PagecliError
@@ -14,6 +15,8 @@ ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
+MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
+MAX_THREADS = 1024  # more than the largest machines' cores; torch would try to start them all
 
 
 def _require(condition: bool, message: str) -> None:
@@ -21,12 +24,22 @@ def _require(condition: bool, message: str) -> None:
         raise PagecliError(message)
 
 
+def _require_finite_numbers(settings: object) -> None:
+    """inf and nan pass every comparison a range check makes (or fail it with a misleading message)."""
+    for f in fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PagecliError(f"{f.name} must be a finite number (got {value}).")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: cache geometry, memory budget and batching limits."""
 
     block_size: int = 16
-    kv_budget_gib: float = 0.75  # KV pool size on CPU (allocated lazily: untouched pages cost nothing)
+    # KV pool size on CPU. Allocated lazily (untouched pages cost nothing), yet checked whole against the RAM
+    # available at start-up, since a long run fills every block (engine/pool_sizing.py).
+    kv_budget_gib: float = 0.75
     gpu_memory_fraction: float = 0.85  # share of free GPU memory (after weights) for the KV pool
     num_blocks: int | None = None  # overrides the budget when set
     max_num_seqs: int = 64
@@ -43,8 +56,10 @@ class EngineConfig:
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
 
     def __post_init__(self) -> None:
+        _require_finite_numbers(self)
         _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
-        _require(self.kv_budget_gib > 0, f"kv_budget_gib must be positive (got {self.kv_budget_gib}).")
+        _require(0 < self.kv_budget_gib <= MAX_GIB,
+                 f"kv_budget_gib must be positive and at most {MAX_GIB:.0f} (got {self.kv_budget_gib}).")
         _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction must be in (0, 1].")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be at least 1.")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1.")
@@ -56,8 +71,10 @@ class EngineConfig:
             f"attention must be one of {', '.join(ATTENTION_CHOICES)} (got '{self.attention}').",
         )
         _require(self.device in DEVICE_CHOICES, f"device must be one of {', '.join(DEVICE_CHOICES)}.")
-        _require(self.threads is None or self.threads >= 1, "threads must be at least 1.")
-        _require(self.disk_cache_max_gib > 0, f"disk_cache_max_gib must be positive (got {self.disk_cache_max_gib}).")
+        _require(self.threads is None or 1 <= self.threads <= MAX_THREADS,
+                 f"threads must be between 1 and {MAX_THREADS} (got {self.threads}).")
+        _require(0 < self.disk_cache_max_gib <= MAX_GIB,
+                 f"disk_cache_max_gib must be positive and at most {MAX_GIB:.0f} (got {self.disk_cache_max_gib}).")
         _require(self.disk_cache_dir is None or bool(self.disk_cache_dir.strip()),
                  "disk_cache_dir must name a directory (or be left out for the default).")
 
@@ -82,6 +99,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        _require_finite_numbers(self)
         _require(self.temperature >= 0, f"temperature must be 0 or more (got {self.temperature}).")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}).")
         _require(self.top_k >= 0, f"top_k must be 0 (off) or more (got {self.top_k}).")

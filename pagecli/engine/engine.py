@@ -9,6 +9,7 @@ prefix store on, `persist_prefix` keeps blocks across processes; `close` waits f
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pagecli.engine.detokenizer import IncrementalDetokenizer
 from pagecli.engine.hashing import root_hash
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
+from pagecli.engine.pool_sizing import pool_num_blocks
 from pagecli.engine.sampler import make_generator, sample
 from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
@@ -81,8 +83,9 @@ class Engine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
                  loaded: LoadedModel | None = None, progress: Callable[[str], None] | None = None) -> None:
         self.config = config or EngineConfig()
-        if config is not None and config.threads:
-            torch.set_num_threads(config.threads)
+        self._warnings: list[str] = []
+        if self.config.threads:
+            self._use_threads(self.config.threads)
         if loaded is None:
             from pagecli.models.source import DEFAULT_MODEL_NAME, resolve_model
 
@@ -94,7 +97,6 @@ class Engine:
         self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
-        self._warnings: list[str] = []
         cpu_ops = self._cpu_ops(progress)
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
         if cpu_ops is not None:
@@ -107,7 +109,7 @@ class Engine:
             loaded.folder, self.chat_template, str(loaded.dtype).removeprefix("torch."), self.config.block_size
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded, self.backend, num_blocks, self.config.block_size)
+        self.runner = self._allocate_runner(num_blocks)
         self._warned_no_chat_template = False
         self.disk = self._open_disk_tier()
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
@@ -132,12 +134,20 @@ class Engine:
                                   "using the slower PyTorch path.")
         return ops
 
+    def _use_threads(self, threads: int) -> None:
+        """Set torch's CPU threads; more than the cores this process may run on is allowed, with a warning."""
+        torch.set_num_threads(threads)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores and threads > cores:
+            self._warnings.append(
+                f"--threads {threads} is more than this machine's {cores} cores; the extra threads wait for each "
+                f"other and every step gets slower, so use --threads {cores} or fewer.")
+
     # --- sizing -----------------------------------------------------------------------------
     def _context_cap_for(self, folder: Any) -> int:
-        from pagecli.models.loader import load_hf_config
-        from pagecli.models.spec import DecoderSpec
+        from pagecli.models.loader import read_spec
 
-        return self._context_len(DecoderSpec.from_hf_config(load_hf_config(folder)))
+        return self._context_len(read_spec(folder))
 
     def _context_len(self, spec: Any) -> int:
         limit = self.config.max_model_len or min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
@@ -154,17 +164,19 @@ class Engine:
         return self._context_len(self.loaded.spec)
 
     def _num_blocks(self) -> int:
-        if self.config.num_blocks:
-            return self.config.num_blocks
-        if self.loaded.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.loaded.device)
-            budget = int(free_bytes * self.config.gpu_memory_fraction)
-        else:
-            budget = int(self.config.kv_budget_gib * (1 << 30))
-        num_blocks = budget // self.kv_bytes_per_block
-        if num_blocks < 1:
-            raise PagecliError("The KV memory budget holds no block at all; raise kv_budget_gib or gpu_memory_fraction.")
-        return num_blocks
+        """The pool's size, checked against the memory free for it now that the weights are loaded."""
+        return pool_num_blocks(self.config, self.loaded.device, self.kv_bytes_per_block)
+
+    def _allocate_runner(self, num_blocks: int) -> ModelRunner:
+        """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""
+        try:
+            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one too
+            if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "allocate" in str(exc)):
+                raise
+            pool_gib = num_blocks * self.kv_bytes_per_block / (1 << 30)
+            raise PagecliError(f"The {pool_gib:,.2f} GiB KV pool could not be allocated ({str(exc).splitlines()[0]}); "
+                               "lower num_blocks, kv_budget_gib or gpu_memory_fraction.") from exc
 
     def _open_disk_tier(self) -> DiskTier | None:
         if not (self.config.disk_cache and self.config.enable_prefix_caching):

@@ -81,29 +81,60 @@ def cpu_has_bf16() -> bool:
 _PLAIN_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "rms_norm_eps")
 _PLAIN_CONFIG_KEYS_BY_TYPE = {"qwen2": ("use_sliding_window",), "qwen3": ("use_sliding_window", "head_dim")}
+# The weights' shapes: transformers' config classes default them to a 7B model's, which no checkpoint of
+# another size matches, so a config.json of ours that lacks one is refused instead of defaulted.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def load_hf_config(folder: Path) -> Any:
     """The model's config: config.json as attributes when pagecli can read it alone (a supported
     architecture with plain rope, nothing custom), else transformers' AutoConfig."""
+    _require_shape_keys(_config_json(folder), folder / "config.json")
     plain = _plain_config(folder)
     if plain is not None:
         return plain
+    from huggingface_hub import errors as hub_errors  # transformers imports it anyway
     from transformers import AutoConfig
 
+    # transformers 5 checks field types and head counts with huggingface_hub's strict dataclasses
+    # (earlier versions raise ValueError, which the first clause words).
+    strict_dataclass_error = getattr(hub_errors, "StrictDataclassError", ValueError)
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         _refuse_remote_code(exc, folder, "config", "config.json")
         raise ModelError(f"Cannot read the model config in '{folder}': {_first_line(exc)}") from exc
+    except strict_dataclass_error as exc:
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise ModelError(f"The model config '{folder / 'config.json'}' is invalid: {message}") from exc
 
 
-def _plain_config(folder: Path) -> SimpleNamespace | None:
+def read_spec(folder: Path) -> DecoderSpec:
+    """The checked DecoderSpec of a model folder, from its config alone."""
+    return DecoderSpec.from_hf_config(load_hf_config(folder), folder / "config.json")
+
+
+def _config_json(folder: Path) -> dict[str, Any] | None:
+    """config.json as a dict; None when it is unreadable or not an object (AutoConfig words that error)."""
     try:
         data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # AutoConfig reads it again and words the error
-    if not isinstance(data, dict) or "auto_map" in data:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _require_shape_keys(data: dict[str, Any] | None, path: Path) -> None:
+    if data is None or data.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return  # an unsupported architecture is refused by name later
+    missing = [key for key in _SHAPE_KEYS if key not in data]
+    if missing:
+        raise ModelError(f"The model config '{path}' has no {', '.join(missing)}; pagecli needs "
+                         f"{'it' if len(missing) == 1 else 'them'} to build the model.")
+
+
+def _plain_config(folder: Path) -> SimpleNamespace | None:
+    data = _config_json(folder)
+    if data is None or "auto_map" in data:
         return None
     model_type = data.get("model_type")
     required = _PLAIN_CONFIG_KEYS + _PLAIN_CONFIG_KEYS_BY_TYPE.get(model_type, ())
@@ -158,7 +189,7 @@ def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None) -> LoadedModel:
     hf_config = load_hf_config(folder)
-    spec = DecoderSpec.from_hf_config(hf_config)
+    spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
     rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings).to(dev)

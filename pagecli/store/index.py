@@ -133,17 +133,18 @@ class StoreIndex:
         self.identity: tuple[int, int] | None = None  # the file this connection opened
 
     @classmethod
-    def open(cls, root: Path) -> StoreIndex:
-        """Open (creating if needed) the index under root; IndexCorrupt if the file is not one of ours."""
+    def open(cls, root: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> StoreIndex:
+        """Open (creating if needed) the index under root; IndexCorrupt if the file is not one of ours.
+        A write waits up to busy_timeout_s for another process's transaction, then fails as locked."""
         make_private_dir(root)
         path = root / INDEX_NAME
         try:
-            conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"cannot open the prefix store index {path}: {exc}") from exc
         try:
             with translate_errors(path):
-                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = NORMAL")  # with WAL: a crash may lose recent rows, not consistency
                 index = cls(conn, path)
@@ -373,7 +374,7 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def reset_index(root: Path) -> StoreIndex:
+def reset_index(root: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> StoreIndex:
     """Replace a corrupt index by an empty one (keeping the bad file as index.sqlite.corrupt).
 
     Under a lock, and only if the index is still corrupt: another process may have reset it first.
@@ -383,7 +384,7 @@ def reset_index(root: Path) -> StoreIndex:
     make_private_dir(root)
     with _exclusive_lock(root / ".index.lock"):
         try:
-            index = StoreIndex.open(root)
+            index = StoreIndex.open(root, busy_timeout_s)
             if index.integrity_ok(quick=True):
                 return index
             index.close()
@@ -393,14 +394,14 @@ def reset_index(root: Path) -> StoreIndex:
         path.replace(path.with_name(INDEX_NAME + ".corrupt"))
         for suffix in ("-wal", "-shm"):
             path.with_name(INDEX_NAME + suffix).unlink(missing_ok=True)
-        return StoreIndex.open(root)
+        return StoreIndex.open(root, busy_timeout_s)
 
 
-def open_index(root: Path, warn: Callable[[str], None]) -> StoreIndex:
+def open_index(root: Path, warn: Callable[[str], None], busy_timeout_s: float = BUSY_TIMEOUT_S) -> StoreIndex:
     """The index under root; a corrupt one is replaced by an empty one, with one warning."""
     try:
-        return StoreIndex.open(root)
+        return StoreIndex.open(root, busy_timeout_s)
     except IndexCorrupt as exc:
         warn(f"The prefix store index was unreadable ({exc}); started an empty one. Cached prefixes are "
              "recomputed as needed.")
-        return reset_index(root)
+        return reset_index(root, busy_timeout_s)

@@ -1,18 +1,30 @@
 """What `pagecli cache` does to a store directory: list, summarize, clear, prune, check.
 
 Works on the index and the files only (no torch, no model). Reading commands never create
-a store that does not exist yet.
+a store that does not exist yet. Every failure of the store itself (read-only, in use by
+another process, unreadable) is a PagecliError saying which store and what to do.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pagecli.errors import PagecliError
 from pagecli.store.files import INDEX_NAME, checksum_file, iter_blob_files, sweep_orphans
-from pagecli.store.index import ModelSummary, StoreIndex, open_index
+from pagecli.store.index import (
+    IndexCorrupt, ModelSummary, StoreIndex, StoreLocked, StoreUnavailable, open_index, translate_errors,
+)
+
+# A running engine's writes take milliseconds; a command that waited the engine's 30 s for one
+# held longer would look hung, so it says the store is busy instead.
+MAINTENANCE_BUSY_TIMEOUT_S = 3.0
+_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -64,12 +76,54 @@ def _entry(summary: ModelSummary) -> ModelEntry:
     )
 
 
+def _explains_store_failures(operation: Callable[..., _Result]) -> Callable[..., _Result]:
+    """`operation(root, ...)` with the store's own failures turned into one PagecliError each."""
+
+    @functools.wraps(operation)
+    def explained(root: Path, *args: object, **kwargs: object) -> _Result:
+        try:
+            with translate_errors(root / INDEX_NAME):
+                return operation(root, *args, **kwargs)
+        except StoreLocked as exc:
+            raise PagecliError(f"The prefix store in {root} is in use by another process (a pagecli run writing "
+                               "to it, say); try again when it has finished.") from exc
+        except IndexCorrupt as exc:
+            raise PagecliError(f"The prefix store index in {root} is damaged ({_reason(exc)}); "
+                               "`pagecli cache clear` replaces it with an empty one.") from exc
+        except (StoreUnavailable, OSError) as exc:
+            raise PagecliError(_unusable(root, exc)) from exc
+
+    return explained
+
+
+def _unusable(root: Path, exc: BaseException) -> str:
+    if not _writable(root):
+        return (f"The prefix store in {root} is read-only ({_reason(exc)}); SQLite writes beside its index even "
+                "to read it, so make the directory writable or point --cache-dir at another one.")
+    return (f"The prefix store in {root} cannot be used ({_reason(exc)}); check that the directory and its "
+            f"{INDEX_NAME} can be read and written.")
+
+
+def _writable(root: Path) -> bool:
+    """Whether root, or the nearest folder above it that exists, may be written (never raises)."""
+    existing = next((p for p in (root, *root.parents) if os.path.exists(p)), root)
+    return os.access(existing, os.W_OK)
+
+
+def _reason(exc: BaseException) -> str:
+    """What the innermost error said: SQLite's or the OS's own words, without our wrapping."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc)
+
+
 def _open(root: Path, warnings: list[str]) -> StoreIndex | None:
     if not (root / INDEX_NAME).is_file():
         return None
-    return open_index(root, warnings.append)
+    return open_index(root, warnings.append, MAINTENANCE_BUSY_TIMEOUT_S)
 
 
+@_explains_store_failures
 def list_models(root: Path, warnings: list[str]) -> list[ModelEntry]:
     index = _open(root, warnings)
     if index is None:
@@ -80,6 +134,7 @@ def list_models(root: Path, warnings: list[str]) -> list[ModelEntry]:
         index.close()
 
 
+@_explains_store_failures
 def store_stats(root: Path, warnings: list[str]) -> StoreStats:
     models = list_models(root, warnings)
     index = _open(root, warnings)
@@ -106,6 +161,7 @@ def _size(path: Path) -> int:
         return 0
 
 
+@_explains_store_failures
 def clear(root: Path, model: str | None, warnings: list[str]) -> Removal:
     """Delete every entry, or those of the models whose name, id or fingerprint id is `model`."""
     index = _open(root, warnings)
@@ -128,6 +184,7 @@ def clear(root: Path, model: str | None, warnings: list[str]) -> Removal:
         index.close()
 
 
+@_explains_store_failures
 def prune(root: Path, max_bytes: int, warnings: list[str]) -> Removal:
     """Delete least recently used chain tails until the store holds at most max_bytes; sweep old leftovers."""
     index = _open(root, warnings)
@@ -143,10 +200,11 @@ def prune(root: Path, max_bytes: int, warnings: list[str]) -> Removal:
         index.close()
 
 
+@_explains_store_failures
 def check(root: Path) -> list[str]:
     """Problems that would make the store inconsistent: each row's blob exists and matches its
     checksum, each blob file is indexed, and SQLite's own integrity check passes."""
-    index = StoreIndex.open(root)
+    index = StoreIndex.open(root, MAINTENANCE_BUSY_TIMEOUT_S)
     try:
         problems = [] if index.integrity_ok() else ["SQLite integrity_check failed"]
         rows = index.all_blocks()
