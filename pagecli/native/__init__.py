@@ -1,7 +1,8 @@
-"""pagecli's CPU kernels (cpu_ops.cpp), compiled once per machine and instruction-set level, and cached.
+"""pagecli's CPU kernels (cpu_ops.cpp, gemm_bf16.cpp), compiled once per machine and instruction-set level,
+and cached.
 
-One source, one build per level (isa.py): `amx` (AMX tiles, AVX-512 BF16), `avx512` (AVX-512 with
-BF16/VNNI where the CPU has them: Zen 4, Ice Lake), `avx2` (AVX2 + FMA: most laptops); the source's
+One build per level (isa.py): `amx` (AMX tiles, AVX-512 BF16), `avx512` (AVX-512 with
+BF16/VNNI where the CPU has them: Zen 4, Ice Lake), `avx2` (AVX2 + FMA: most laptops); the sources'
 `#if` blocks pick each level's code. The highest level the CPU runs is used unless
 PAGECLI_CPU_ISA forces a lower one (`torch`: no native kernels, the PyTorch reference path).
 
@@ -10,7 +11,7 @@ PAGECLI_NATIVE=0 or PAGECLI_CPU_ISA=torch, or a failed build. Callers then take 
 path, which gives the same results more slowly; `unavailable_reason()` says why, for a one-line
 warning. `cpu_ops_for(level)` loads another level's build beside it (tests run every level).
 
-The build goes to `paths.native_dir()/<key>/` (the user cache), keyed by the source, the torch version and
+The build goes to `paths.native_dir()/<key>/` (the user cache), keyed by the sources, the torch version and
 the CPU's instruction-set flags (the code is compiled for the machine it runs on). A file lock
 keeps two processes from building at once; the second one loads what the first built. A finished
 build leaves a stamp beside the library; later starts import the library directly, without
@@ -32,7 +33,9 @@ from typing import Callable
 from pagecli import paths
 from pagecli.native import isa
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # holds the Python module; the others are linked in
+_SOURCES = (_SOURCE, _SOURCE.with_name("gemm_bf16.cpp"))
+_HEADERS = (_SOURCE.with_name("gemm_bf16.h"),)
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends
 _lock = threading.Lock()
@@ -69,12 +72,12 @@ def _cflags(level_name: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def build_key(level_name: str | None = None) -> str:
-    """Names one build: the source, torch, the level's flags, this CPU and this Python."""
+    """Names one build: every source and header, torch, the level's flags, this CPU and this Python."""
     import torch
 
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_cflags(level_name or level())).encode(),
-                 cpu_flags().encode(), sys.version.encode()):
+    for part in (*(path.read_bytes() for path in (*_SOURCES, *_HEADERS)), torch.__version__.encode(),
+                 " ".join(_cflags(level_name or level())).encode(), cpu_flags().encode(), sys.version.encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -102,7 +105,8 @@ def _build(progress: Callable[[str], None] | None, level_name: str) -> ModuleTyp
             progress(f"Compiling pagecli's CPU kernels ({level_name}) for this machine (once; about a minute)")
         module = cpp_extension.load(
             name=_module_name(level_name),
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
+            extra_include_paths=[str(_SOURCE.parent)],
             extra_cflags=_cflags(level_name),
             extra_ldflags=["-fopenmp"],
             build_directory=str(target),

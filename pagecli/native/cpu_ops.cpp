@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "gemm_bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -1578,6 +1580,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_linear", &has_bf16_linear, "Whether linear_bf16_rows was built");
   m.def("linear", &native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");
   m.def("has_amx", &has_amx, "Whether linear_bf16_amx was built and the OS grants AMX tiles");
+  m.def("pack_bf16_weights", &pagecli::pack_bf16_weights, "w [N, K] bf16 -> the panels linear_bf16_packed reads");
+  m.def("linear_bf16_packed", &pagecli::linear_bf16_packed, "x @ w^T (+ bias) over pack_bf16_weights(w), any rows");
+  m.def("has_packed_linear", &pagecli::has_packed_linear, "Whether pack_bf16_weights/linear_bf16_packed were built");
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");
 #endif
