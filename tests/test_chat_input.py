@@ -104,6 +104,7 @@ def test_on_the_screen_a_paste_and_a_block_are_one_message_each_and_ctrl_c_drops
         send_and_wait(b"\x1b[200~pasted one\rpasted two\x1b[201~\r", b"you>")  # terminals send \r in a paste
         send_and_wait(b'"""\r', b"...>")
         send_and_wait(b"typed one\r", b"...>")
+        time.sleep(0.5)  # a person's Ctrl-C comes after readline has taken the terminal, not with the prompt
         send_and_wait(b"\x03", b"Block dropped")  # Ctrl-C in a block drops it, and the chat stays
         send_and_wait(b"", b"you>")
         send_and_wait(b'"""\rtyped two\r\rtyped four\r"""\r', b"you>")

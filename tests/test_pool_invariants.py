@@ -97,7 +97,7 @@ def test_a_leaking_test_fails_at_teardown(pytester, tiny_llama):
     from pathlib import Path
 
     tests_dir = Path(__file__).parent
-    for name in ("conftest.py", "pool_checks.py", "tiny_models.py"):
+    for name in ("conftest.py", "pool_checks.py", "tiny_models.py", "user_files.py"):
         pytester.makepyfile(**{name.removesuffix(".py"): (tests_dir / name).read_text()})
     pytester.makepyfile(test_leak=f"""
         from pathlib import Path

@@ -282,7 +282,8 @@ def test_loading_and_running_a_model_imports_neither_the_compiler_nor_transforme
 def test_built_kernels_are_imported_directly_only_beside_the_stamp_of_a_finished_build(tmp_path):
     if native.cpu_ops() is None:
         pytest.skip(f"no CPU kernels here: {native.unavailable_reason()}")
-    assert (native.build_dir() / native._BUILT_STAMP).is_file()
-    library = native.build_dir() / f"{native._module_name()}.so"
+    level = native.level()
+    assert (native.build_dir(level) / native._BUILT_STAMP).is_file()
+    library = native.build_dir(level) / f"{native._module_name(level)}.so"
     (tmp_path / library.name).symlink_to(library)
-    assert native._load_built(tmp_path) is None  # no stamp: a build may be rewriting the library
+    assert native._load_built(tmp_path, level) is None  # no stamp: a build may be rewriting the library
