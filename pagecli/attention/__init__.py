@@ -25,6 +25,10 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
     ) -> None: ...
 
+    def copy_blocks(self, kv_caches: torch.Tensor, src: list[int], dst: list[int]) -> None:
+        """kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; block dst[i] gets src[i]."""
+        ...
+
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagecli.attention.block_copy import copy_blocks
 from pagecli.attention.metadata import AttentionMetadata
 
 
@@ -45,6 +46,10 @@ class TorchAttentionBackend:
             slots, key, value = slots[keep], key[keep], value[keep]
         flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+    def copy_blocks(self, kv_caches: torch.Tensor, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write: block dst[i] of every layer gets block src[i] (block_copy.py, one rule everywhere)."""
+        copy_blocks(kv_caches, src, dst)
 
     def forward(
         self,

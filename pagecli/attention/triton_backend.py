@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagecli.attention.block_copy import copy_blocks
 from pagecli.attention.metadata import AttentionMetadata
 from pagecli.kernels import paged_decode_attention, paged_prefill_attention, store_kv
 
@@ -25,6 +26,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
     ) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def copy_blocks(self, kv_caches: torch.Tensor, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write: block dst[i] of every layer gets block src[i] (block_copy.py, one rule everywhere)."""
+        copy_blocks(kv_caches, src, dst)
 
     def forward(
         self,

@@ -13,15 +13,22 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError, RequestError, request_failure
 from pagecli.models.messages import read_messages
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 _OPENAI_KEY_ALIASES = {"max_completion_tokens": "max_tokens"}
+_NUMERIC_KEYS = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
+                 "repetition_penalty": float, "n": int}
+# Fields pagecli does not implement, with the values that ask for nothing: any other value is the
+# line's error, never silently dropped (an answer without the logprobs asked for looks like a bug).
+_UNSUPPORTED_KEYS = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
+                     "beam_width": (None, 1)}
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 _BOM = b"\xef\xbb\xbf"
 
@@ -105,15 +112,59 @@ def parse_json_line(raw: str, number: int) -> BatchRequest | BadLine:
         obj = _json_object(raw)
         request_id = _request_id(obj, request_id)
         body = _request_body(obj)
+        refuse_unsupported_fields(body)
         prompt = _prompt_of(body)
     except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
         message = request_failure(exc)
         if message is None:
             raise
         return BadLine(number, request_id, f"line {number}: {message}")
-    sampling = {_OPENAI_KEY_ALIASES.get(k, k): v for k, v in body.items()
-                if _OPENAI_KEY_ALIASES.get(k, k) in SAMPLING_KEYS and v is not None}
+    sampling = sampling_fields(body)
+    if body.get("n") is not None:
+        sampling["n"] = body["n"]  # candidates: a line's record then holds `choices`
     return BatchRequest(number, request_id, prompt, sampling)
+
+
+def refuse_unsupported_fields(body: dict[str, Any]) -> None:
+    """RequestError for a field pagecli does not implement that asks for something (`logprobs`, `best_of`, ...)."""
+    for key, harmless in _UNSUPPORTED_KEYS.items():
+        value = body.get(key)
+        if key in body and not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
+            raise RequestError(f"'{key}' is not supported by pagecli yet; remove it from the request "
+                               f"(got {json.dumps(value)})")
+
+
+def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a request body under SamplingParams' names (`max_completion_tokens` is
+    `max_tokens`, and wins over it); fields set to null are left out."""
+    fields = {k: v for k, v in body.items() if k in SAMPLING_KEYS and v is not None}
+    for alias, name in _OPENAI_KEY_ALIASES.items():
+        if body.get(alias) is not None:
+            fields[name] = body[alias]
+    return fields
+
+
+def sampling_with(base: SamplingParams, fields: dict[str, Any]) -> SamplingParams:
+    """`base` with a request's sampling fields on top, each checked for its type and range; a bad one
+    raises RequestError naming the field. `generate` and the server both read sampling fields here."""
+    values = asdict(base)
+    for key, value in fields.items():
+        kind = _NUMERIC_KEYS.get(key)
+        if kind is not None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or (kind is int and isinstance(value, float) and not value.is_integer()):
+                raise RequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}")
+            value = kind(value)
+        elif key == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+                raise RequestError("'stop' must be a string or a list of non-empty strings")
+            value = tuple(value)
+        values[key] = value
+    try:
+        return SamplingParams(**values)
+    except PagecliError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _json_object(raw: str) -> dict[str, Any]:

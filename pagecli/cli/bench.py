@@ -154,6 +154,7 @@ def run(
     if plot:
         require_matplotlib()
     settings = flags.settings(sampling_unless_given={"temperature": 0.0})
+    o.refuse_candidates(settings, "bench run")
     max_tokens = flags.values["max_tokens"]
     count, max_tokens = _cpu_size(workload, settings, count, max_tokens)
     chosen = load_workload(workload, settings.sampling, count, max_tokens, workload_seed)
@@ -221,6 +222,9 @@ def file_workload(path: str, base: SamplingParams, count: int | None, max_tokens
         sampling = line_sampling(base, item.sampling, item.line)  # type: ignore[union-attr]
         if max_tokens:
             sampling = replace(sampling, max_tokens=max_tokens)
+        if sampling.n > 1:
+            raise PagecliError(f"line {item.line} of '{path}' asks for n {sampling.n}; `bench run` measures one "
+                               "completion per request, so leave 'n' out of its workload files.")
         prompt = item.prompt if isinstance(item.prompt, str) else tuple(item.prompt)  # type: ignore[union-attr]
         requests.append(BenchRequest(item.request_id if unique else f"line-{item.line}", prompt, sampling))
     if not requests:

@@ -58,6 +58,7 @@ def chat(
     if model_arg and flags.model and model_arg != flags.model:
         raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")
     settings = flags.settings(model=model_arg)
+    o.refuse_candidates(settings, "chat")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
                     truncate=not no_truncate, pool_visible=not no_pool)
     if code:

@@ -8,11 +8,11 @@ run, whatever raised, becomes that line's error record through `request_failure`
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 from pagecli.chat.turn import StopFlag
-from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests
+from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests, sampling_with
+from pagecli.cli.line_results import LineResults
 from pagecli.cli.options import RunSettings
 from pagecli.cli.results_file import plan_resume, scan_output
 from pagecli.cli.results_writer import ResultWriter, open_results
@@ -20,28 +20,10 @@ from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError, request_failure
 from pagecli.ui.progress import GenerateProgress, load_summary, say
 
-_NUMERIC = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
-            "repetition_penalty": float}
-
-
 def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) -> SamplingParams:
     """The run's sampling settings with one input line's fields on top; a bad value names the line."""
-    values = asdict(base)
-    for key, value in overrides.items():
-        kind = _NUMERIC.get(key)
-        if kind is not None:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (kind is int and isinstance(value, float) and not value.is_integer()):
-                raise PagecliError(f"line {line}: '{key}' must be {'an integer' if kind is int else 'a number'}")
-            value = kind(value)
-        elif key == "stop":
-            value = [value] if isinstance(value, str) else value
-            if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-                raise PagecliError(f"line {line}: 'stop' must be a string or a list of non-empty strings")
-            value = tuple(value)
-        values[key] = value
     try:
-        return SamplingParams(**values)
+        return sampling_with(base, overrides)
     except PagecliError as exc:
         raise PagecliError(f"line {line}: {exc}") from None
 
@@ -89,13 +71,16 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
             say(f"Warning: {warning}", style="yellow")
 
 
-def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: ResultWriter) -> bool:
+def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: ResultWriter,
+            results: LineResults) -> bool:
     """Queues one line; a line that cannot run gets its error record at once. True when queued."""
     if isinstance(item, BadLine):
         writer.save({"id": item.request_id, "line": item.line, "error": item.error})
         return False
     try:
-        engine.add_request(item.prompt, line_sampling(settings.sampling, item.sampling, item.line), str(item.line))
+        sampling = line_sampling(settings.sampling, item.sampling, item.line)
+        engine.add_request(item.prompt, sampling, str(item.line))
+        results.expect(item.line, item.request_id, sampling.n)
     except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
         message = request_failure(exc)
         if message is None:
@@ -108,9 +93,8 @@ def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, wr
 
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
            progress: bool | None) -> int:
-    ids = {it.line: it.request_id for it in todo}
-    errors = sum(not _submit(engine, settings, it, writer) for it in todo)
-    texts: dict[int, list[str]] = {}
+    results = LineResults()
+    errors = sum(not _submit(engine, settings, it, writer, results) for it in todo)
     start = time.perf_counter()
     tokens = 0
     # Ctrl-C only sets the flag, checked between results, so the count below is what the files hold;
@@ -119,15 +103,10 @@ def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine
     try:
         with stop.catching_sigint(), GenerateProgress(len(todo), progress) as bar:
             for ev in engine.stream():
-                line = int(ev.request_id)
-                texts.setdefault(line, []).append(ev.text)
                 tokens += len(ev.token_ids)
-                if ev.finished:
-                    writer.save({
-                        "id": ids[line], "line": line, "text": "".join(texts.pop(line)),
-                        "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
-                        "completion_tokens": ev.completion_tokens, "cached_tokens": ev.cached_tokens,
-                    })
+                record = results.add(int(ev.request_id), ev)
+                if record is not None:
+                    writer.save(record)
                     bar.update(writer.saved, tokens / max(time.perf_counter() - start, 1e-9), engine.stats())
                 if stop():
                     raise KeyboardInterrupt
@@ -146,5 +125,13 @@ def _summary(engine: Any, total: int, errors: int, tokens: int, elapsed_s: float
         f"Done: {total - errors} completions, {errors} errors; {tokens} tokens in {elapsed_s:.1f} s "
         f"({tokens / max(elapsed_s, 1e-9):.1f} tok/s); prefix cache served {stats.prefix_hit_rate:.0%} of prompt "
         f"tokens ({stats.prefix_disk_hit_tokens / max(stats.prefix_query_tokens, 1):.0%} from disk); "
-        f"{stats.num_preemptions} preemptions."
+        f"{stats.num_preemptions} preemptions{_sharing(stats)}."
     )
+
+
+def _sharing(stats: Any) -> str:
+    """What forked candidates (n > 1) saved by sharing blocks; nothing when no line forked."""
+    if not stats.fork_block_shares:
+        return ""
+    return (f"; candidates shared {stats.fork_block_shares} prompt blocks, copied {stats.cow_block_copies} "
+            f"on write: {stats.blocks_saved_by_sharing} blocks saved")

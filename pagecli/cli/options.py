@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pagecli.config import EngineConfig, Profile, SamplingParams, load_profile
+from pagecli.errors import PagecliError
 
 ENGINE = "Engine"
 SAMPLING = "Sampling"
@@ -77,6 +78,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "--threads", help="CPU threads for torch (default: torch's choice).", metavar="N")),
     Flag("disk_cache", "disk_cache", Optional[bool], _opt(
         "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).")),
+    Flag("quantize", "quantize", Optional[str], _opt(
+        "--quantize", help="none|int8: int8 stores the decoder layers' weights as int8 with one scale per output "
+                           "channel, quantized at load (CPU; about half the bytes read per token).",
+        metavar="KIND")),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),
@@ -99,6 +104,10 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
         when_given=lambda stops: tuple(stops) or None),
     Flag("ignore_eos", "ignore_eos", bool, _opt(
         "--ignore-eos", help="Keep generating past end-of-sequence tokens.", panel=SAMPLING), value=False),
+    Flag("n", "n", Optional[int], _opt(
+        "--n", help="Candidates per request (parallel sampling): the prompt is prefilled once and its blocks "
+                    "shared; with --seed S, candidate i samples with seed S+i. generate only.",
+        panel=SAMPLING, metavar="N")),
 )
 
 MODEL_FLAGS: tuple[inspect.Parameter, ...] = (
@@ -135,6 +144,13 @@ class RunFlags:
         sampling = {**(sampling_unless_given or {}), **_given(SAMPLING_FLAGS, self.values)}
         return RunSettings(model or self.model or profile.model, profile, profile.engine_config(**engine),
                            profile.sampling_params(**sampling))
+
+
+def refuse_candidates(settings: RunSettings, command: str) -> None:
+    """Commands that show one completion per request refuse n > 1 (from --n or the profile) in one sentence."""
+    if settings.sampling.n > 1:
+        raise PagecliError(f"`pagecli {command}` shows one completion per request; n {settings.sampling.n} "
+                           "(parallel sampling) is for `pagecli generate`. Drop --n or set n = 1 in the profile.")
 
 
 def _given(flags: tuple[Flag, ...], values: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What a `pagecli generate` output holds, whether pagecli may write to it, and what is left to run.
 
 pagecli owns an output only if it is absent, empty, or a pagecli results file: every complete line a
-result record (an int `line`, a string `id`, and `text` with `finish_reason`, or `error`), and a last
-line without its newline, if there is one, the start of a record (what a killed run was writing).
+result record (an int `line`, a string `id`, and `text` with `finish_reason`, `choices` of those, or
+`error`), and a last line without its newline, if there is one, the start of a record (what a killed
+run was writing).
 The output is never the input. This module only reads: nothing is written, cut or appended before
 `scan_output` has accepted the file. Besides the output lies its journal, OUTPUT.partial: records a
 run finished before the ones ahead of them in input order (results_writer.py writes both).
@@ -29,6 +30,9 @@ def is_result_record(obj: Any) -> bool:
     line = obj.get("line")
     if not isinstance(line, int) or isinstance(line, bool) or line < 1:
         return False
+    if isinstance(obj.get("choices"), list):  # a line with n > 1: written whole, once every candidate finished
+        return all(isinstance(c, dict) and isinstance(c.get("text"), str) and "finish_reason" in c
+                   for c in obj["choices"])
     return (isinstance(obj.get("text"), str) and "finish_reason" in obj) or isinstance(obj.get("error"), str)
 
 
@@ -108,7 +112,7 @@ def parse_records(data: bytes, name: str, strict: bool) -> SavedRecords:
         line = record["line"]
         by_line[line] = raw + b"\n"
         order.append(line)
-        (errors.discard if "text" in record else errors.add)(line)
+        (errors.add if "error" in record else errors.discard)(line)
     return SavedRecords(by_line, tuple(order), frozenset(errors), len(complete), len(data))
 
 

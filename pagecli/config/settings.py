@@ -13,9 +13,11 @@ from pagecli.errors import PagecliError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+QUANTIZE_CHOICES = ("none", "int8")  # weights: as loaded, or int8 per output channel (CPU)
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
+MAX_CANDIDATES = 256  # n per request: more is a typo, and each candidate is a running sequence
 MAX_THREADS = 1024  # more than the largest machines' cores; torch would try to start them all
 
 
@@ -54,6 +56,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # default: PAGECLI_CACHE_DIR, else the user cache dir's prefix/
     disk_cache_max_gib: float = 2.0  # store size cap: least recently used chain tails are pruned past it
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
+    quantize: str = "none"  # decoder-layer weights quantized at load: none | int8 (CPU only)
 
     def __post_init__(self) -> None:
         _require_finite_numbers(self)
@@ -77,6 +80,8 @@ class EngineConfig:
                  f"disk_cache_max_gib must be positive and at most {MAX_GIB:.0f} (got {self.disk_cache_max_gib}).")
         _require(self.disk_cache_dir is None or bool(self.disk_cache_dir.strip()),
                  "disk_cache_dir must name a directory (or be left out for the default).")
+        _require(self.quantize in QUANTIZE_CHOICES,
+                 f"quantize must be one of {', '.join(QUANTIZE_CHOICES)} (got '{self.quantize}').")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,9 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Candidates for the one prompt (parallel sampling): prefilled once, its blocks shared. With a seed,
+    # candidate i samples as a lone request with seed + i would (candidate_seed).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,10 +117,17 @@ class SamplingParams:
         _require(self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
                  f"seed must fit in 64 bits (got {self.seed}).")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+        _require(1 <= self.n <= MAX_CANDIDATES, f"n must be between 1 and {MAX_CANDIDATES} (got {self.n}).")
+        _require(self.seed is None or self.seed + self.n - 1 < (1 << 64),
+                 f"seed + n - 1 must fit in 64 bits: candidate i samples with seed + i (got seed {self.seed}).")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_BELOW_TEMPERATURE
+
+    def candidate_seed(self, index: int) -> int | None:
+        """The seed candidate `index` of an n > 1 request samples with: seed + index (None: unseeded)."""
+        return None if self.seed is None else self.seed + index
 
 
 def field_names(cls: type) -> tuple[str, ...]:

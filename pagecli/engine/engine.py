@@ -4,6 +4,10 @@
 events it produced; `stream` and `generate` loop over steps. Everything a caller may want
 to show (pool occupancy, prefix hits, preemptions) comes from `stats()`. With the disk
 prefix store on, `persist_prefix` keeps blocks across processes; `close` waits for its writes.
+
+A request with `SamplingParams.n > 1` yields n candidates: its prompt is prefilled once, then it
+forks (the candidates share its blocks, copy-on-write) and every event and completion names its
+candidate by `index` (0 to n-1). With n = 1 everything is as for any request, index 0.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RequestEvent:
     completion_tokens: int
     cached_tokens: int
     ttft_s: float | None
+    index: int = 0  # the candidate of an n > 1 request (0 otherwise)
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,11 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     ttft_s: float | None
+    index: int = 0  # the candidate of an n > 1 request (0 otherwise)
 
 
 class _Request:
-    """Per-request text state: the detokenizer and how much text has been emitted."""
+    """Per-sequence text state (one per candidate): the detokenizer and how much text has been emitted."""
 
     def __init__(self, seq: Sequence, tokenizer: Any) -> None:
         self.seq = seq
@@ -100,14 +106,18 @@ class Engine:
         cpu_ops = self._cpu_ops(progress)
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
         if cpu_ops is not None:
-            loaded.model.use_cpu_ops(cpu_ops)
+            loaded.model.use_cpu_ops(cpu_ops, quantize=self.config.quantize)
+        else:
+            loaded.model.quantize_weights(self.config.quantize)  # PyTorch's int8 reference, or a refusal off the CPU
         self.kv_bytes_per_block = spec.kv_bytes_per_token(loaded.dtype.itemsize) * self.config.block_size
         num_blocks = self._num_blocks()
         self.max_model_len = min(self._model_context_len(), num_blocks * self.config.block_size)
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
         self.fingerprint = model_fingerprint(
-            loaded.folder, self.chat_template, str(loaded.dtype).removeprefix("torch."), self.config.block_size
-        )
+            loaded.folder, self.chat_template,
+            str(loaded.dtype).removeprefix("torch.") + ("" if self.config.quantize == "none" else f"+{self.config.quantize}"),
+            self.config.block_size,
+        )  # int8 weights give other KV than the model's dtype: another fingerprint
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         self._warned_no_chat_template = False
@@ -115,7 +125,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0
         self._prompt_tokens_computed = 0
@@ -254,12 +264,12 @@ class Engine:
             raise PagecliError(f"Request id '{request_id}' is already in use.")
         seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
         seq.generator = make_generator(sampling)
-        self._requests[request_id] = _Request(seq, self.tokenizer)
+        self._requests[request_id] = {0: _Request(seq, self.tokenizer)}
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
+        if self.scheduler.abort(request_id):
             self._requests.pop(request_id, None)
 
     @property
@@ -271,6 +281,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not a user error
+        self.runner.copy_blocks(self.kv.take_pending_copies())  # copy-on-write, before anything writes
         sampled = [item.seq for item in plan.scheduled if item.samples]
         logits = self.runner.execute(plan.scheduled)
         for item in plan.scheduled:
@@ -280,13 +291,38 @@ class Engine:
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit_full_blocks(seq)
         self._steps += 1
+        sampled, logits = self._fork_finished_prompts(sampled, logits)
         events = []
         for seq, token_id in zip(sampled, sample(logits, sampled)):
             events.append(self._on_token(seq, token_id))
         return events
 
+    def _fork_finished_prompts(self, sampled: list[Sequence], logits: torch.Tensor
+                               ) -> tuple[list[Sequence], torch.Tensor]:
+        """Fork each n > 1 request whose prompt this step finished; every candidate samples from the
+        prompt's logits row with its own stream. Returns the sequences to sample and their logits rows."""
+        if not any(seq.needs_fork for seq in sampled):
+            return sampled, logits
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, seq in enumerate(sampled):
+            family = [seq, *self._fork(seq)] if seq.needs_fork else [seq]
+            seqs.extend(family)
+            rows.extend([row] * len(family))
+        return seqs, logits[torch.tensor(rows, device=logits.device)]  # [len(seqs), vocab]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Candidates 1..n-1 of parent's request: they share its blocks and run right after it."""
+        parent.forked = True
+        candidates = [parent.fork(i, make_generator(parent.sampling, i)) for i in range(1, parent.sampling.n)]
+        for candidate in candidates:
+            self.kv.share_blocks(parent, candidate)
+            self._requests[parent.request_id][candidate.candidate_index] = _Request(candidate, self.tokenizer)
+        self.scheduler.add_forked(parent, candidates)
+        return candidates
+
     def _on_token(self, seq: Sequence, token_id: int) -> RequestEvent:
-        req = self._requests[seq.request_id]
+        req = self._requests[seq.request_id][seq.candidate_index]
         seq.append_token(token_id)
         self._tokens_generated += 1
         params = seq.sampling
@@ -309,8 +345,8 @@ class Engine:
     def _persist_finished_prompt(self, seq: Sequence) -> None:
         """The automatic write policy: when a request finishes, the prompt blocks it found cached
         (so two or more requests used them), or all its prompt blocks with disk_cache_all_prompts."""
-        if self.disk is None:
-            return
+        if self.disk is None or seq.candidate_index != 0:
+            return  # the candidates of a request share one prompt: it is stored once
         if self.config.disk_cache_all_prompts:
             self.persist_prefix(seq.prompt_token_ids)
         elif seq.num_cached_tokens:
@@ -324,14 +360,17 @@ class Engine:
         else:
             full = req.final_text if req.final_text is not None else req.detok.text
             visible_end = len(full)
-            del self._requests[seq.request_id]
+            candidates = self._requests[seq.request_id]
+            del candidates[seq.candidate_index]
+            if not candidates:
+                del self._requests[seq.request_id]
         new_text = full[req.emitted_chars : visible_end]
         req.emitted_chars = visible_end
         ttft = seq.first_token_time_s - seq.arrival_time_s if seq.first_token_time_s else None
         return RequestEvent(
             request_id=seq.request_id, text=new_text, token_ids=(token_id,), finished=reason is not None,
             finish_reason=reason, prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
-            cached_tokens=seq.num_cached_tokens, ttft_s=ttft,
+            cached_tokens=seq.num_cached_tokens, ttft_s=ttft, index=seq.candidate_index,
         )
 
     def stream(self) -> Iterator[RequestEvent]:
@@ -340,21 +379,25 @@ class Engine:
             yield from self.step()
 
     def generate(self, prompts: Iterable[Prompt], sampling: SamplingParams | None = None) -> list[Completion]:
+        """One completion per prompt, in order; with sampling.n > 1, n per prompt (candidate 0 first)."""
         ids = [self.add_request(p, sampling) for p in prompts]
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        done: dict[str, Completion] = {}
+        wanted = set(ids)
+        texts: dict[tuple[str, int], list[str]] = {}
+        tokens: dict[tuple[str, int], list[int]] = {}
+        done: dict[tuple[str, int], Completion] = {}
         for ev in self.stream():
-            if ev.request_id not in texts:
+            if ev.request_id not in wanted:
                 continue
-            texts[ev.request_id].append(ev.text)
-            tokens[ev.request_id].extend(ev.token_ids)
+            key = (ev.request_id, ev.index)
+            texts.setdefault(key, []).append(ev.text)
+            tokens.setdefault(key, []).extend(ev.token_ids)
             if ev.finished:
-                done[ev.request_id] = Completion(
-                    ev.request_id, "".join(texts[ev.request_id]), tuple(tokens[ev.request_id]),
-                    ev.finish_reason or "stop", ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.ttft_s,
+                done[key] = Completion(
+                    ev.request_id, "".join(texts[key]), tuple(tokens[key]), ev.finish_reason or "stop",
+                    ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.ttft_s, ev.index,
                 )
-        return [done[i] for i in ids]
+        n = (sampling or SamplingParams()).n
+        return [done[(i, index)] for i in ids for index in range(n)]
 
     # --- disk prefix store ----------------------------------------------------------------------
     def persist_prefix(self, token_ids: SequenceOf[int]) -> int:
@@ -409,6 +452,7 @@ class Engine:
             prefix_disk_hit_tokens=self.kv.prefix_disk_hit_tokens, evictions=self.pool.evictions,
             device=str(self.loaded.device), dtype=str(self.loaded.dtype).removeprefix("torch."),
             attention_backend=self.backend.name, max_model_len=self.max_model_len,
+            fork_block_shares=self.kv.fork_block_shares, cow_block_copies=self.kv.cow_block_copies,
             block_references=sum(len(s.block_table) for s in self.scheduler.running),
             slots_unused=sum(len(s.block_table) * self.pool.block_size - s.num_computed_tokens
                              for s in self.scheduler.running),

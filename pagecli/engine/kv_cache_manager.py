@@ -5,6 +5,12 @@ full, hashed and findable; the blocks after them are private to it. Blocks are r
 tail first, so a chain's tail is evicted before its head. A prefix match that runs out of
 pool hits continues in an optional slower tier (the disk store), whose hits are loaded into
 fresh pool blocks and registered there, so they are memory hits from then on.
+
+Forked candidates (n > 1) share blocks by reference count (`share_blocks`). Copy-on-write: a
+sequence never writes into a block another sequence references. Before new tokens are written,
+`allocate_slots` gives the sequence its own copy of every shared block those tokens land in
+(in practice the prompt's partial last block, once per candidate but the last) and queues the
+copy (source -> destination) in `pending_copies`, which the engine runs before the step's forward.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ class KVCacheManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_disk_hit_tokens = 0
+        # Copy-on-write: destination block id -> source block id, copied before the next forward.
+        self.pending_copies: dict[int, int] = {}
+        # Sharing counters, in blocks: references forks took instead of allocating, and the copies made.
+        self.fork_block_shares = 0
+        self.cow_block_copies = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -123,15 +134,45 @@ class KVCacheManager:
         return found
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq's block table to hold num_new_tokens more tokens; False (and no change) if the pool is short."""
-        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed <= 0:
-            return True
-        if needed > self.pool.num_reusable:
+        """Grow seq's block table to hold num_new_tokens more tokens, first copying any shared block they
+        land in (copy-on-write); False (and no change) if the pool is short."""
+        needed = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        shared = self._shared_blocks_written(seq, num_new_tokens)
+        if needed + len(shared) > self.pool.num_reusable:
             return False
+        for index in shared:
+            self._copy_on_write(seq, index)
         for _ in range(needed):
             seq.block_table.append(self.pool.allocate().block_id)
         return True
+
+    def _shared_blocks_written(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Indexes into seq's block table of blocks that other sequences reference and the new tokens land in."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens), len(seq.block_table))
+        return [i for i in range(first, last) if self.pool.blocks[seq.block_table[i]].ref_count > 1]
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        """Give seq its own copy of the shared block at block_table[index]; the copy is queued."""
+        source = self.pool.blocks[seq.block_table[index]]
+        copy = self.pool.allocate()
+        self.pending_copies[copy.block_id] = source.block_id
+        self.pool.release(source)
+        seq.block_table[index] = copy.block_id
+        self.cow_block_copies += 1
+
+    def share_blocks(self, parent: Sequence, child: Sequence) -> None:
+        """Take the references of a forked child, whose block table names its parent's blocks."""
+        assert child.block_table == parent.block_table, "a fork starts with its parent's block table"
+        for block_id in child.block_table:
+            self.pool.touch(self.pool.blocks[block_id])
+        self.fork_block_shares += len(child.block_table)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The queued copy-on-write copies as (source, destination) block ids, emptying the queue."""
+        copies = [(source, dest) for dest, source in self.pending_copies.items()]
+        self.pending_copies.clear()
+        return copies
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash and register the blocks that computing has filled since the last call."""
@@ -145,6 +186,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
+            self.pending_copies.pop(block_id, None)  # a copy into a block given back is not needed
             self.pool.release(self.pool.blocks[block_id])
         seq.block_table.clear()
         seq.block_hashes.clear()

@@ -77,6 +77,11 @@ class ModelRunner:
         hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
         return self.loaded.model.compute_logits(hidden[inputs.sample_indices])
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Run copy-on-write copies, (source, destination) block ids, before the step that writes them."""
+        if copies:
+            self.backend.copy_blocks(self.kv_caches, [s for s, _ in copies], [d for _, d in copies])
+
     def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
         """K/V of some blocks, all layers: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         return self.kv_caches[:, :, block_ids].cpu()

@@ -1,7 +1,7 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
 
 Each sampled sequence draws from its own torch.Generator, so the same seed gives the same
-output whatever else shares the batch.
+output whatever else shares the batch; the candidates of an n > 1 request each have their own.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ from pagecli.config.settings import SamplingParams
 from pagecli.engine.sequence import Sequence
 
 
-def make_generator(sampling: SamplingParams) -> torch.Generator | None:
+def make_generator(sampling: SamplingParams, candidate_index: int = 0) -> torch.Generator | None:
+    """The random stream of one sequence; candidate i of an n > 1 request seeds it with seed + i."""
     if sampling.greedy:
         return None
     generator = torch.Generator()
-    if sampling.seed is None:
+    seed = sampling.candidate_seed(candidate_index)
+    if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(sampling.seed)
+        generator.manual_seed(seed)
     return generator
 
 

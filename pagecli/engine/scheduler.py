@@ -5,6 +5,15 @@ or the next chunk of an unfinished prefill), then waiting sequences (prefix-cach
 then a prefill chunk). When blocks run out, the newest running sequence is preempted:
 its blocks are released and it is recomputed later, so nothing is dropped and greedy
 output is unchanged.
+
+A request with n > 1 is admitted as candidate 0 with seats for all n (max_num_seqs counts
+them); its forked candidates join `running` right after it. The candidates of one request
+(same request_id) are preempted together when another request needs their blocks: preempting
+one alone frees nothing its siblings still share. A request whose own candidates outgrow the
+pool gives way one candidate at a time instead (newest first). Each preempted candidate resumes
+as its own sequence, keeping its tokens and its random stream, so its output does not change;
+with prefix caching the prompt's full blocks are shared again (without it, recomputed per
+candidate).
 """
 
 from __future__ import annotations
@@ -63,19 +72,20 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = 0
         i = 0
+        # Invariant: scheduled names running[:i], in order (preempting a group keeps that true).
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted += 1
-                if victim is seq:
-                    break
-            else:
+            if self.kv.allocate_slots(seq, num_new):
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
+                continue
+            victims = self._preempt_newest(seq)
+            preempted += len(victims)
+            budget += sum(s.num_new_tokens for s in scheduled if s.seq in victims)
+            scheduled = [s for s in scheduled if s.seq not in victims]
+            i = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
@@ -83,7 +93,7 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> int:
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or not self._has_seats_for(seq):
                 break
             if self._waits_for_inflight_prefix(seq):
                 continue  # a running prefill is computing blocks this prompt starts with: hit them next step
@@ -101,6 +111,17 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        """Whether max_num_seqs leaves room for seq and, before its fork, its candidates; a request with
+        more candidates than max_num_seqs still runs, alone."""
+        seats = seq.sampling.n if seq.needs_fork else 1
+        return not self.running or len(self.running) + seats <= self.max_num_seqs
+
+    def add_forked(self, parent: Sequence, candidates: list[Sequence]) -> None:
+        """Put a running parent's new candidates right after it (they hold its blocks already)."""
+        at = self.running.index(parent) + 1
+        self.running[at:at] = candidates
 
     def _waits_for_inflight_prefix(self, seq: Sequence) -> bool:
         """Whether a running sequence is prefilling, right now, a full block that seq's prompt also
@@ -123,6 +144,20 @@ class Scheduler:
                 return True
         return False
 
+    def _preempt_newest(self, needy: Sequence) -> list[Sequence]:
+        """Preempt the newest running sequence with every running candidate of its request; returns them.
+        Within needy's own request only the newest goes, so a group too large for the pool still
+        progresses: its candidates give way one by one, down to needy alone (which always fits)."""
+        newest = self.running[-1]
+        if newest.request_id == needy.request_id:
+            victims = [newest]
+        else:
+            victims = [s for s in self.running if s.request_id == newest.request_id]
+        self.running = [s for s in self.running if s not in victims]
+        for seq in reversed(victims):  # the group waits at the front, in candidate order
+            self._preempt(seq)
+        return victims
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -137,12 +172,11 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.running, self.waiting):
-            for seq in list(queue):
-                if seq.request_id == request_id:
-                    if queue is self.waiting:
-                        self.waiting.remove(seq)
-                    self.finish(seq, "abort")
-                    return seq
-        return None
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request (all its candidates); returns them."""
+        aborted = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        for seq in aborted:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self.finish(seq, "abort")
+        return aborted

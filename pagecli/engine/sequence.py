@@ -1,4 +1,10 @@
-"""One request's sequence: its tokens, its block table, and how far its KV has been computed."""
+"""One request's sequence: its tokens, its block table, and how far its KV has been computed.
+
+A request with n > 1 is a group of n sequences with the same request_id, told apart by
+`candidate_index`. Candidate 0 is queued alone; when its prompt is computed it forks into the
+others (`fork`), which start with its tokens, block table and counters; the block references
+themselves are taken by KVCacheManager.share_blocks.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +44,25 @@ class Sequence:
     arrival_time_s: float = field(default_factory=time.perf_counter)
     first_token_time_s: float | None = None
     generator: Any = None  # torch.Generator for seeded sampling (None when greedy)
+    candidate_index: int = 0  # which of the request's n candidates this is
+    forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
+
+    @property
+    def needs_fork(self) -> bool:
+        """Candidate 0 of an n > 1 request whose candidates do not exist yet."""
+        return self.sampling.n > 1 and self.candidate_index == 0 and not self.forked
+
+    def fork(self, candidate_index: int, generator: Any) -> Sequence:
+        """A candidate that continues from this sequence's tokens. Its block table names the same
+        blocks; the caller takes the references (KVCacheManager.share_blocks)."""
+        return Sequence(
+            self.request_id, self.prompt_token_ids, self.sampling, self.max_model_len,
+            token_ids=list(self.token_ids), block_table=list(self.block_table),
+            block_hashes=list(self.block_hashes), num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens, status=self.status, arrival=self.arrival,
+            arrival_time_s=self.arrival_time_s, first_token_time_s=self.first_token_time_s,
+            generator=generator, candidate_index=candidate_index, forked=True,
+        )
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -37,6 +37,10 @@ class EngineStats:
     dtype: str
     attention_backend: str
     max_model_len: int
+    # Forks (n > 1): block references candidates took instead of their own blocks, and the copies
+    # copy-on-write made later; their difference is the blocks sharing saved (blocks_saved_by_sharing).
+    fork_block_shares: int = 0
+    cow_block_copies: int = 0
     block_references: int = 0  # block-table entries of running sequences (a shared block counts once per holder)
     slots_unused: int = 0  # slots of running sequences' blocks that hold no token yet: internal fragmentation
     block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
@@ -52,6 +56,11 @@ class EngineStats:
         return (self.blocks_free + self.blocks_cached) * self.block_size
 
     @property
+    def blocks_saved_by_sharing(self) -> int:
+        """Blocks the candidates of n > 1 requests would have taken as separate copies, minus those taken."""
+        return self.fork_block_shares - self.cow_block_copies
+
+    @property
     def prefix_hit_rate(self) -> float:
         hits = self.prefix_hit_tokens + self.prefix_disk_hit_tokens
         return hits / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
@@ -60,5 +69,6 @@ class EngineStats:
         data = asdict(self)
         data.pop("block_states")
         data.update(kv_bytes_used=self.kv_bytes_used, tokens_that_fit=self.tokens_that_fit,
+                    blocks_saved_by_sharing=self.blocks_saved_by_sharing,
                     prefix_hit_rate=round(self.prefix_hit_rate, 6))
         return data
