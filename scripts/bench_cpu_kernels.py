@@ -17,6 +17,7 @@ Prints, best of several repeats (run it on an otherwise idle machine):
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Callable
 
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["PAGECLI_PACKED_GEMM"] = "0"  # the row-layout weights are what this script times and packs
     engine = Engine(None, EngineConfig(dtype="bfloat16", disk_cache=False))
     model, runner, backend = engine.loaded.model, engine.runner, engine.backend
     ops = backend.cpu_ops

@@ -16,6 +16,7 @@ speed (what matters up to about 8 rows; the read is one pass over one tensor, th
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--ghz", type=float, default=3.5, help="core clock for the peak figure")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["PAGECLI_PACKED_GEMM"] = "0"  # the row-layout weights are what this script times and packs
     engine = Engine(None, EngineConfig(dtype="bfloat16", disk_cache=False))
     ops = engine.backend.cpu_ops
     if ops is None or not ops.has_packed_linear():

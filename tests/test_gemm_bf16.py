@@ -141,3 +141,32 @@ def test_levels_without_avx512_bf16_refuse_with_a_clear_error(level):
         module.pack_bf16_weights(w)
     with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
         module.linear_bf16_packed(x, torch.zeros(1, 32, PANEL_COLUMNS, 2, dtype=torch.bfloat16), None, 48, 64)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000), (33, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_gives_linear_bf16_packeds_bits_for_any_leading_shape(ops, in_features, out_features, bias):
+    x, w, b = product_case(13, in_features, out_features, bias)
+    layer = ops.PackedLinear(w, b)
+    assert (layer.out_features, layer.in_features) == (out_features, in_features)
+    assert torch.equal(layer.panels, ops.pack_bf16_weights(w))
+    expected = ops.linear_bf16_packed(x, ops.pack_bf16_weights(w), b, out_features, in_features)
+    assert torch.equal(layer.forward(x), expected)
+    assert torch.equal(layer.forward(x[:12].view(3, 4, in_features)), expected[:12].view(3, 4, out_features))
+    with pytest.raises(RuntimeError, match=f"x \\[..., {in_features}\\]"):
+        layer.forward(torch.zeros(2, in_features + 1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1000), (101, 49), (1, 3)])
+def test_rows_read_back_from_the_panels_are_the_weight_rows_exactly(ops, in_features, out_features):
+    """A tied embedding table is kept only packed: the lookup must give nn.Embedding's values."""
+    _, w, _ = product_case(1, in_features, out_features, False)
+    layer = ops.PackedLinear(w, None)
+    ids = torch.tensor([[0, out_features - 1, 47 % out_features], [out_features // 2, 0, 0]])
+    assert torch.equal(layer.rows(ids), torch.nn.functional.embedding(ids, w))
+    assert torch.equal(layer.rows(torch.arange(out_features)), w)
+    assert torch.equal(layer.rows(torch.arange(out_features, dtype=torch.int32)), w)
+    with pytest.raises(IndexError, match="out of range"):
+        layer.rows(torch.tensor([out_features]))
+    with pytest.raises(IndexError, match="out of range"):
+        layer.rows(torch.tensor([-1]))

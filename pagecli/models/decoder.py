@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagecli import native
 from pagecli.attention import AttentionBackend, AttentionMetadata
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
+from pagecli.models.quantize import Int8Reference, check_quantize_device
 from pagecli.models.spec import DecoderSpec
 
 
@@ -93,36 +95,77 @@ class CausalLM(nn.Module):
 
     linear_kernel: LinearKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
+    output_packed: Any = None  # the output layer's PackedLinear, when the products run packed
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def use_cpu_ops(self, ops: Any) -> None:
+    def quantize_weights(self, quantize: str, ops: Any = None) -> None:
+        """--quantize int8: the decoder layers' Linears as int8 with a scale per output channel
+        (pagecli.models.quantize), run by pagecli.native's int8 kernel where it takes this model's
+        dtype (bf16 on AVX512-BF16, any on AVX2), else by the PyTorch reference. The embedding table
+        and the output layer keep the model's dtype (the lookup needs exact rows; a tied table is one)."""
+        if quantize == "none":
+            return
+        check_quantize_device(quantize, self.model.norm.weight.device)
+        kind = ops.int8_linear_kind() if ops is not None else ""
+        native_int8 = kind == "avx2" or (kind == "avx512_bf16" and self.model.norm.weight.dtype == torch.bfloat16)
+        for layer in self.model.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.quantize_int8(ops if native_int8 else None)
+
+    def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with
-        its matmul (AMX tiles or AVX512-BF16 for the few rows of a decode step, where the CPU has them)."""
-        linear_kernel = ops.linear if self.output_weight.dtype == torch.bfloat16 else None
+        its matmul (AMX tiles or AVX512-BF16 for the few rows of a decode step, where the CPU has them).
+
+        packed (bf16 models only): every product, the output layer's included, runs on the packed
+        GEMM over weights repacked here once, so a row's result has the same bits in any batch; the
+        row-layout weights are dropped. A tied embedding table is then kept only packed too, its
+        rows read back from the panels (nothing doubles). None: where pagecli.native.packed_gemm_wanted."""
+        if packed is None:
+            packed = native.packed_gemm_wanted(ops)
+        self.quantize_weights(quantize, ops)
+        bf16 = self.output_weight.dtype == torch.bfloat16 if self.output_packed is None else True
+        packed = packed and bf16
+        linear_kernel = ops.linear if bf16 else None
         self.linear_kernel = linear_kernel
         self.rotary.kernel = ops.rotary_
         for module in self.modules():
             if isinstance(module, Linear):
                 module.kernel = linear_kernel
+                if packed:
+                    module.pack(ops)
             elif isinstance(module, RMSNorm):
                 module.kernel = ops.add_rms_norm
             elif isinstance(module, GatedMLP):
                 module.kernel = ops.silu_mul
+        if packed and self.output_packed is None:
+            if self.spec.tie_word_embeddings:
+                self.output_packed = ops.PackedLinear(self.model.embed_tokens.weight.detach(), None)
+                self.model.embed_tokens.share_packed(self.output_packed)
+            else:
+                self.output_packed = self.lm_head.packed
         # Decode-only steps run the whole layer loop in C++: the same kernels in the same order as
         # forward() below, without the Python between them (a few ms per token for one stream).
+        layers = self.model.layers
+        products = [self._packed_products(layer) for layer in layers]
+        if any(isinstance(p, Int8Reference) for layer in products for p in layer):
+            self.decode_step = None  # products in PyTorch: the Python loop runs them
+            return
         self.decode_step = ops.DecodeStep(
-            [self._layer_tensors(layer) for layer in self.model.layers], self.model.norm.weight,
-            self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-            self.spec.rms_norm_eps, self.model.layers[0].self_attn.scale,
+            [self._layer_tensors(layer) for layer in layers],
+            products if all(p is not None for layer in products for p in layer) else [],
+            self.model.norm.weight, self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads,
+            self.spec.head_dim, self.spec.rms_norm_eps, layers[0].self_attn.scale,
         )
 
     @staticmethod
     def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
-        """One layer's tensors in the order DecodeStep takes them (cpu_ops.cpp)."""
+        """One layer's tensors in the order DecodeStep takes them (decode_step.h); a packed product's
+        weight is None (DecodeStep then takes its _packed_products)."""
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = attn.q_norm.weight if attn.qk_norm else None
         k_norm = attn.k_norm.weight if attn.qk_norm else None
@@ -130,8 +173,16 @@ class CausalLM(nn.Module):
                 attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
 
+    @staticmethod
+    def _packed_products(layer: DecoderLayer) -> list[Any]:
+        """One layer's packed products (PackedLinear or PackedLinearInt8, None where the weight is in
+        row layout) in DecodeStep's order: qkv, o, gate_up, down."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+
     @property
     def output_weight(self) -> torch.Tensor:
+        """The output layer's row-layout weight [vocab, hidden] (None once packed: output_packed)."""
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def forward(
@@ -157,4 +208,6 @@ class CausalLM(nn.Module):
         return self.model.norm.add_and_norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output_packed is not None:
+            return self.output_packed.forward(hidden)  # [num_selected, vocab]
         return linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]

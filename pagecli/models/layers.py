@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from pagecli.models.quantize import Int8Reference, quantize_int8
 from pagecli.models.spec import rope_parameters, rope_type_of
 
 
@@ -82,7 +83,7 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 # pagecli.native's bf16 product: it picks AMX tiles, its few-row AVX512-BF16 kernel or oneDNN by
-# shape and CPU (cpu_ops.cpp, native_linear), and leaves any other dtype to F.linear.
+# shape and CPU (linear.cpp, native_linear), and leaves any other dtype to F.linear.
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -97,22 +98,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear (same parameter names) that can hand bf16 products to a compiled kernel.
     Its weights always come from a checkpoint, so it skips the random init (which, on the meta
-    device the model is built on, makes torch import its compiler stack: about 1.7 s)."""
+    device the model is built on, makes torch import its compiler stack: about 1.7 s).
+
+    After pack() or quantize_int8(), the weight lives only in the packed (or int8) layout: `weight`
+    is None and `packed_weight` holds what is kept (so parameter byte counts see the real layout)."""
 
     kernel: LinearKernel | None = None
+    packed: Any = None  # PackedLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
 
     def reset_parameters(self) -> None:
         pass
 
+    def pack(self, ops: Any) -> None:
+        """Repack the weight once into the packed GEMM's panels and drop the row layout."""
+        if self.packed is None:
+            self.packed = ops.PackedLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
+            self.weight = None
+            self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
+
+    def quantize_int8(self, ops: Any) -> None:
+        """Replace the weight by int8 and a scale per output channel (pagecli.models.quantize), run by
+        pagecli.native's PackedLinearInt8 when `ops` is given, else by the PyTorch reference."""
+        if self.packed is not None:
+            return
+        q, scale = quantize_int8(self.weight)
+        bias = None if self.bias is None else self.bias.detach()
+        self.packed = ops.PackedLinearInt8(q, scale, bias) if ops is not None else Int8Reference(q, scale, bias)
+        self.weight = None
+        self.packed_weight = nn.Parameter(self.packed.weights if ops is not None else q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.forward(x)
         return linear(x, self.weight, self.bias, self.kernel)
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding without the random init, for the same reason as Linear."""
+    """nn.Embedding without the random init, for the same reason as Linear. When the output layer
+    shares its table and runs on the packed GEMM, the table is kept only packed (`weight` None) and
+    rows are read back from the panels: the same values, one copy of the bytes."""
+
+    packed: Any = None  # the output layer's PackedLinear, whose panels hold this table
 
     def reset_parameters(self) -> None:
         pass
+
+    def share_packed(self, packed: Any) -> None:
+        self.packed = packed
+        self.weight = None
+        self.packed_weight = nn.Parameter(packed.panels, requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.rows(input_ids)
+        return super().forward(input_ids)
 
 
 def concat_linears(linears: list[nn.Linear]) -> Linear:

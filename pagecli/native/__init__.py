@@ -1,5 +1,5 @@
-"""pagecli's CPU kernels (cpu_ops.cpp, gemm_bf16.cpp), compiled once per machine and instruction-set level,
-and cached.
+"""pagecli's CPU kernels (the .cpp files beside this one, one concern each), compiled once per machine
+and instruction-set level into one extension, and cached.
 
 One build per level (isa.py): `amx` (AMX tiles, AVX-512 BF16), `avx512` (AVX-512 with
 BF16/VNNI where the CPU has them: Zen 4, Ice Lake), `avx2` (AVX2 + FMA: most laptops); the sources'
@@ -33,18 +33,44 @@ from typing import Callable
 from pagecli import paths
 from pagecli.native import isa
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # holds the Python module; the others are linked in
-_SOURCES = (_SOURCE, _SOURCE.with_name("gemm_bf16.cpp"))
-_HEADERS = (_SOURCE.with_name("gemm_bf16.h"),)
+_HERE = Path(__file__).parent
+# One file per concern, built as one extension; bindings.cpp holds the Python module.
+_SOURCES = tuple(_HERE / name for name in (
+    "bindings.cpp",           # the module: every entry point below, bound once
+    "decode_attention.cpp",   # paged decode attention (AVX-512, AMX)
+    "prefill_attention.cpp",  # paged prefill attention (AMX)
+    "linear.cpp",             # products over row-layout weights: rows kernel, AMX tiles, native_linear
+    "gemm_bf16.cpp",          # the packed bf16 GEMM (AVX512-BF16)
+    "quant_int8.cpp",         # int8 weights: packed AVX512-BF16 kernel, AVX2 kernel
+    "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
+    "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
+))
+_HEADERS = tuple(_HERE / name for name in (
+    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "decode_step.h",
+))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+_OFF = ("0", "false", "no", "off")
+PACKED_GEMM_VAR = "PAGECLI_PACKED_GEMM"
+
+
 def enabled() -> bool:
-    native = os.environ.get("PAGECLI_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    native = os.environ.get("PAGECLI_NATIVE", "1").strip().lower() not in _OFF
     return native and isa.chosen_level(cpu_flags()) != "torch"
+
+
+def packed_gemm_wanted(ops: ModuleType) -> bool:
+    """Whether a bf16 model should run its products on the packed GEMM (gemm_bf16.cpp): where the
+    build has it (AVX512-BF16) and the CPU grants no AMX tiles (the AMX kernels read the weights as
+    they lie and were not measured against it), unless PAGECLI_PACKED_GEMM=0 keeps the row-layout
+    weights and the older kernels (for A/B runs, or to compare results)."""
+    if os.environ.get(PACKED_GEMM_VAR, "1").strip().lower() in _OFF:
+        return False
+    return bool(ops.has_packed_linear()) and not ops.has_amx()
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +132,7 @@ def _build(progress: Callable[[str], None] | None, level_name: str) -> ModuleTyp
         module = cpp_extension.load(
             name=_module_name(level_name),
             sources=[str(path) for path in _SOURCES],
-            extra_include_paths=[str(_SOURCE.parent)],
+            extra_include_paths=[str(_HERE)],
             extra_cflags=_cflags(level_name),
             extra_ldflags=["-fopenmp"],
             build_directory=str(target),

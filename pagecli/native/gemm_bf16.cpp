@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGECLI_HAVE_PACKED_GEMM 1
@@ -176,28 +177,17 @@ at::Tensor pack_bf16_weights(const at::Tensor& w) {
 #endif
 }
 
-at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                              int64_t N, int64_t K) {
 #if PAGECLI_HAVE_PACKED_GEMM
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K,
-              "linear_bf16_packed takes a bf16 CPU x [M, K] with K = ", K);
-  const int64_t M = x.size(0), num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef({num_panels, k_pairs, kPanelCols, 2}),
-              "packed must be pack_bf16_weights of a [", N, ", ", K, "] weight");
-  auto y = at::empty({M, N}, x.options());  // [M, N]
+namespace {
+
+// y [M, N] = xc [M, K] (contiguous) @ the packed weights (+ bias, fp32 padded to whole panels).
+at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
+  const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
+  auto y = at::empty({M, N}, xc.options());  // [M, N]
   if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor bias_padded;  // [num_panels * 48] fp32, zero past N
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have N = ", N, " values");
-    bias_padded = at::zeros({num_panels * kPanelCols}, x.options().dtype(at::kFloat));
-    bias_padded.narrow(0, 0, N).copy_(*bias);
-  }
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
   const int64_t panel_bytes = k_pairs * kPairBytes;
   const int64_t row_blocks = ceil_div(M, kTileRows);
   const int64_t blocks_per_group = ceil_div(row_blocks, row_groups_for(num_panels, row_blocks));
@@ -248,10 +238,96 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, con
     }
   });
   return y;
+}
+
+void check_packed(const at::Tensor& packed, int64_t N, int64_t K) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({ceil_div(N, kPanelCols), ceil_div(K, 2), kPanelCols, 2}),
+              "packed must be pack_bf16_weights of a [", N, ", ", K, "] weight");
+}
+
+// bias [N] -> fp32 [ceil(N / 48) * 48], zero past N (undefined without bias).
+at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have N = ", N, " values");
+  auto padded = at::zeros({ceil_div(N, kPanelCols) * kPanelCols}, bias->options().dtype(at::kFloat));
+  padded.narrow(0, 0, N).copy_(*bias);
+  return padded;
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K,
+              "linear_bf16_packed takes a bf16 CPU x [M, K] with K = ", K);
+}
+
+}  // namespace
+#endif
+
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t N, int64_t K) {
+#if PAGECLI_HAVE_PACKED_GEMM
+  check_x(x, K);
+  check_packed(packed, N, K);
+  const at::Tensor bias_padded = padded_bias(bias, N);
+  return packed_product(x.contiguous(), packed, bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr, N, K);
 #else
   TORCH_CHECK(false, "linear_bf16_packed needs AVX512-BF16, which this build lacks (has_packed_linear() is false)");
 #endif
 }
+
+at::Tensor gather_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t K) {
+#if PAGECLI_HAVE_PACKED_GEMM
+  check_packed(packed, N, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "ids must be int64 or int32");
+  const at::Tensor flat = ids.to(at::kLong).contiguous().view({-1});
+  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
+  out_shape.push_back(K);
+  auto out = at::empty({flat.size(0), K}, packed.options());  // [tokens, K]
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < flat.size(0); ++t) {
+    TORCH_CHECK_INDEX(idp[t] >= 0 && idp[t] < N, "index ", idp[t], " is out of range for ", N, " rows");
+  }
+  const int64_t k_pairs = ceil_div(K, 2), full_pairs = K / 2;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, flat.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = idp[t];
+      // Row n is column n % 48 of panel n / 48: one k pair every 48 * 2 values.
+      const uint16_t* col = src + (n / kPanelCols) * k_pairs * kPanelCols * 2 + (n % kPanelCols) * 2;
+      uint16_t* row = dst + t * K;
+      for (int64_t j = 0; j < full_pairs; ++j) std::memcpy(row + 2 * j, col + j * kPanelCols * 2, 2 * sizeof(uint16_t));
+      if (K % 2) row[K - 1] = col[full_pairs * kPanelCols * 2];
+    }
+  });
+  return out.view(out_shape);
+#else
+  TORCH_CHECK(false, "gather_packed_rows needs AVX512-BF16, which this build lacks (has_packed_linear() is false)");
+#endif
+}
+
+PackedLinear::PackedLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias)
+    : panels_(pack_bf16_weights(w)), N_(w.size(0)), K_(w.size(1)) {
+#if PAGECLI_HAVE_PACKED_GEMM
+  bias_ = padded_bias(bias, N_);
+#endif
+}
+
+at::Tensor PackedLinear::forward(const at::Tensor& x) const {
+#if PAGECLI_HAVE_PACKED_GEMM
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K_, "PackedLinear takes x [..., ", K_, "]");
+  const at::Tensor x2 = x.reshape({-1, K_});  // [M, K]
+  check_x(x2, K_);
+  auto y = packed_product(x2.contiguous(), panels_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_, K_);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N_;
+  return y.view(shape);
+#else
+  TORCH_CHECK(false, "PackedLinear needs AVX512-BF16, which this build lacks (has_packed_linear() is false)");
+#endif
+}
+
+at::Tensor PackedLinear::rows(const at::Tensor& ids) const { return gather_packed_rows(panels_, ids, N_, K_); }
 
 bool has_packed_linear() { return PAGECLI_HAVE_PACKED_GEMM; }
 

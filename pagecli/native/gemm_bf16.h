@@ -1,5 +1,5 @@
 // Entry points of gemm_bf16.cpp (a bf16 GEMM over weights packed once at load), bound into the
-// extension by cpu_ops.cpp's module.
+// extension by bindings.cpp.
 
 #pragma once
 
@@ -19,7 +19,42 @@ at::Tensor pack_bf16_weights(const at::Tensor& w);
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t N, int64_t K);
 
-// Whether this build has the kernel (AVX512-BF16); without it the two functions above raise.
+// Whether this build has the kernel (AVX512-BF16); without it the functions here raise.
 bool has_packed_linear();
+
+// w[ids] [*ids.shape, K] read back from pack_bf16_weights(w) (exact copies): an embedding table
+// kept only in the packed layout, for a model whose output layer shares it.
+at::Tensor gather_packed_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t K);
+
+// A Linear whose weights were put into a kernel's own layout at load (PackedLinear here,
+// PackedLinearInt8 in quant_int8.h): what DecodeStep and the Python Linear call.
+class PackedProduct {
+ public:
+  virtual ~PackedProduct() = default;
+  // x [..., K] -> x @ w^T (+ bias) [..., N]
+  virtual at::Tensor forward(const at::Tensor& x) const = 0;
+};
+
+// One bf16 weight [N, K] (and bias) packed once at load: the engine's form of a Linear on levels
+// with the packed GEMM. Holds only the panels (the caller drops the row-layout weight) and the bias
+// widened to fp32 and padded once, rather than per call.
+class PackedLinear : public PackedProduct {
+ public:
+  PackedLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
+  // x [..., K] bf16 -> [..., N] bf16, as linear_bf16_packed (the same bits for a row in any batch).
+  at::Tensor forward(const at::Tensor& x) const override;
+  // w[ids]: gather_packed_rows over these panels.
+  at::Tensor rows(const at::Tensor& ids) const;
+
+  const at::Tensor& panels() const { return panels_; }
+  int64_t out_features() const { return N_; }
+  int64_t in_features() const { return K_; }
+
+ private:
+  at::Tensor panels_;  // [ceil(N / 48), ceil(K / 2), 48, 2] bf16
+  at::Tensor bias_;    // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
+  int64_t N_, K_;
+};
 
 }  // namespace pagecli

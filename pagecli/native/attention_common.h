@@ -1,0 +1,313 @@
+// What the paged attention kernels share: per-row dot products and softmax steps, widened K/V
+// tiles, cache slots from block tables, the split of a step into tasks of about equal cost, the
+// input checks, and (AMX) the prefetch and V packing both decode and prefill use.
+//
+// Layouts (see pagecli/attention): cache [num_blocks, block_size, kv_heads, head_dim];
+// block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+
+#pragma once
+
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace pagecli {
+
+
+// Dot product of a float vector with a cache row.
+template <typename scalar_t>
+inline float dot_row(const float* q, const scalar_t* k, int64_t dim) {
+  int64_t d = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  if (dim >= 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    total = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; d < dim; ++d) total += q[d] * to_float(k[d]);
+  return total;
+}
+
+template <typename scalar_t>
+inline void axpy_row(float* out, float weight, const scalar_t* v, int64_t dim) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_set1_ps(weight);
+  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(out + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_loadu_ps(out + d)));
+#endif
+  for (; d < dim; ++d) out[d] += weight * to_float(v[d]);
+}
+
+// scores[g * stride] = (q_g . k_row) for the group of query heads sharing this kv head; k_row is
+// read and widened once for all of them. CHUNKS = head_dim / 16 when known at compile time (the
+// row then stays in registers), 0 for any head_dim.
+template <int CHUNKS, typename scalar_t>
+inline void group_scores(const float* q, int64_t group, const scalar_t* k_row, int64_t dim, float* scores,
+                         int64_t stride) {
+#if defined(__AVX512F__)
+  if constexpr (CHUNKS > 0) {
+    __m512 k[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) k[c] = load16(k_row + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), k[0]);
+      for (int c = 1; c < CHUNKS; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * c), k[c], acc);
+      scores[g * stride] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) scores[g * stride] = dot_row(q + g * dim, k_row, dim);
+}
+
+// acc[g] += weights[g * stride] * v_row for each query head of the group; v_row widened once.
+template <int CHUNKS, typename scalar_t>
+inline void group_accumulate(float* acc, int64_t group, const float* weights, int64_t stride, const scalar_t* v_row,
+                             int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (CHUNKS > 0) {
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(v_row + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[g * stride]);
+      float* a = acc + g * dim;
+      for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * dim, weights[g * stride], v_row, dim);
+}
+
+// The largest of scores[0, n) (n >= 1): four vector maxima in flight, not one scalar chain.
+inline float max_of(const float* scores, int64_t n) {
+  int64_t i = 0;
+  float best = scores[0];
+#if defined(__AVX512F__)
+  if (n >= 64) {
+    __m512 m[4];
+    for (int j = 0; j < 4; ++j) m[j] = _mm512_loadu_ps(scores + 16 * j);
+    for (i = 64; i + 64 <= n; i += 64) {
+      for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(scores + i + 16 * j));
+    }
+    best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+  }
+#endif
+  for (; i < n; ++i) best = std::max(best, scores[i]);
+  return best;
+}
+
+// scores[i] = exp(scores[i] - shift) for i < n; returns their sum.
+inline float exp_shifted_sum(float* scores, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), s));
+    _mm512_storeu_ps(scores + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    scores[i] = std::exp(scores[i] - shift);
+    total += scores[i];
+  }
+  return total;
+}
+
+#if defined(__AVX512F__)
+
+// Widens up to 16 cache rows (rows[i]: token i's row of one kv head) to fp32 in buf, D floats apart.
+template <int CHUNKS, typename scalar_t>
+inline void widen_tile(const scalar_t* const* rows, int64_t n, float* buf) {
+  constexpr int D = CHUNKS * 16;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(buf + i * D + 16 * c, load16(rows[i] + 16 * c));
+  }
+}
+
+
+// Scores of up to 16 widened K rows for the group's query heads: out[g * stride + i] = q_g . k_i.
+template <int CHUNKS>
+inline void widened_scores(const float* q, int64_t group, int64_t n, float* out, int64_t stride, const float* buf) {
+  constexpr int D = CHUNKS * 16;
+  const __mmask16 valid = first_lanes(n);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      if (i < n) {
+        for (int c = 0; c < CHUNKS; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + i * D + 16 * c), acc[i]);
+      }
+    }
+    _mm512_mask_storeu_ps(out + g * stride, valid, sum_lanes_16(acc));
+  }
+}
+
+// acc[g] += sum over the tile's tokens i of w[g * stride + i] * v_i, for up to 16 widened V rows.
+template <int CHUNKS>
+inline void widened_accumulate(float* acc, int64_t group, const float* w, int64_t stride, int64_t n, const float* buf) {
+  constexpr int D = CHUNKS * 16;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 o[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) o[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 weight = _mm512_set1_ps(w[g * stride + i]);
+      for (int c = 0; c < CHUNKS; ++c) o[c] = _mm512_fmadd_ps(weight, _mm512_load_ps(buf + i * D + 16 * c), o[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, o[c]);
+  }
+}
+#endif
+
+
+// The cache slot of token t of a sequence, from its block table.
+inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
+  return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+}
+
+// Tokens [0, result) of every sequence lie in the same blocks (a prompt prefix they share through
+// the prefix cache), rounded down to whole 16-token tiles; 0 when there is no such prefix.
+inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs,
+                                    int64_t block_size) {
+  if (num_seqs < 2) return 0;
+  int64_t full_blocks = std::numeric_limits<int64_t>::max();  // blocks every context fills
+  for (int64_t s = 0; s < num_seqs; ++s) full_blocks = std::min<int64_t>(full_blocks, lens[s] / block_size);
+  int64_t common = 0;
+  for (; common < full_blocks; ++common) {
+    bool same = true;
+    for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * max_blocks + common] == tables[common];
+    if (!same) break;
+  }
+  return common * block_size / 16 * 16;
+}
+
+// Splits items of the given costs into `parts` consecutive runs of about equal total cost, none
+// empty when there are items enough; run r is items [bounds[r], bounds[r + 1]).
+inline std::vector<int64_t> balanced_runs(const std::vector<int64_t>& costs, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  int64_t total = 0;
+  for (const int64_t c : costs) total += c;
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t done = 0, r = 1;
+  for (int64_t i = 0; i < n && r < parts; ++i) {
+    done += costs[i];
+    if (done * parts >= total * r || n - (i + 1) == parts - r) bounds[r++] = i + 1;
+  }
+  return bounds;
+}
+
+// at::parallel_for over items [0, costs.size()), but each thread's range is chosen by cost, not by
+// count: sequences and prompts of unequal lengths would leave one thread waiting on the other.
+// fn(begin, end) runs once per non-empty range.
+template <typename Fn>
+void parallel_for_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), costs.size()));
+  const std::vector<int64_t> bounds = balanced_runs(costs, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (bounds[r] < bounds[r + 1]) fn(bounds[r], bounds[r + 1]);
+    }
+  });
+}
+
+// How the decode-attention kernels split a step into tasks. A task is a run of sequences
+// [s_begin, s_end) and the kv heads [h0, h0 + heads_per_task):
+//  - with sequences enough to keep every thread busy (at least 2 per thread), all kv heads per task,
+//    so a task reads whole cache rows (every head of a token) and each block's lines are fetched
+//    once: one sequence per task, or with a shared prefix one run of sequences per thread when the
+//    kernel can widen the prefix of every head at once (`heads_together`, the AMX kernel);
+//  - otherwise one kv head per task (a single long chat), and with a shared prefix the sequences
+//    split into about 2 * threads / kv_heads runs so every thread has work.
+// Runs are cut by context length, not by count, and run_for_each hands the threads tasks of about
+// equal total length (a batch of prompts of 39 to 596 tokens, split by count, kept one thread
+// waiting on the other).
+struct DecodeTasks {
+  struct Task {
+    int64_t h0, s_begin, s_end;
+  };
+  int64_t heads_per_task, head_tasks;
+  std::vector<int64_t> run_bounds;  // run r is sequences [run_bounds[r], run_bounds[r + 1])
+  std::vector<int64_t> costs;       // per task: the context tokens it reads
+
+  DecodeTasks(const int32_t* lens, int64_t seqs, int64_t kv_heads, bool shared_prefix, int64_t threads,
+              bool heads_together) {
+    const bool many = seqs >= 2 * threads;
+    const bool whole_rows = many && (!shared_prefix || heads_together);
+    heads_per_task = whole_rows ? kv_heads : 1;
+    head_tasks = kv_heads / heads_per_task;
+    int64_t seq_runs = seqs;
+    if (shared_prefix) {
+      seq_runs = whole_rows ? threads : std::min<int64_t>(seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads));
+    }
+    const std::vector<int64_t> seq_costs(lens, lens + seqs);
+    run_bounds = balanced_runs(seq_costs, seq_runs);
+    for (int64_t r = 0; r < seq_runs; ++r) {
+      int64_t tokens = 0;
+      for (int64_t s = run_bounds[r]; s < run_bounds[r + 1]; ++s) tokens += lens[s];
+      costs.insert(costs.end(), head_tasks, tokens);
+    }
+  }
+
+  Task at(int64_t task) const {
+    const int64_t run = task / head_tasks;
+    return {task % head_tasks * heads_per_task, run_bounds[run], run_bounds[run + 1]};
+  }
+  // fn(begin, end) over ranges of task numbers, one per thread.
+  template <typename Fn>
+  void run_for_each(const Fn& fn) const { parallel_for_by_cost(costs, fn); }
+};
+
+#if PAGECLI_HAVE_AMX
+// Asks for `bytes` bytes, from element `offset` on, of the cache rows of tokens [t0, t0 + count) of
+// a paged context to be brought into L1. A context's rows lie in blocks scattered over the pool,
+// where the hardware prefetcher does not follow; without this, tile loads wait on memory (decode
+// attention over 64 sequences of ~380 tokens: 83 -> 65 ms per step, 30 layers, 2 threads).
+inline void prefetch_rows(const c10::BFloat16* cache, const int32_t* table, int64_t block_size, int64_t slot_stride,
+                          int64_t offset, int64_t bytes, int64_t t0, int64_t count) {
+  for (int64_t t = t0; t < t0 + count; ++t) {
+    const char* row = reinterpret_cast<const char*>(cache + slot_of(table, block_size, t) * slot_stride + offset);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+// V rows of tokens [t0, t0 + count) (count <= 32) of kv head `head`, pair-interleaved over tokens
+// for the B operand of P V: dst[(b * 16 + p) * 16 + d] holds dims b*16+d of tokens t0+2p, t0+2p+1
+// (low, high half); tokens past count are zero.
+inline void pack_v_step(const c10::BFloat16* v_ptr, const int32_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t head, int64_t dim, int64_t t0, int64_t count, uint32_t* dst) {
+  const int64_t dim_blocks = dim / 16;
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t t = t0 + 2 * p;
+    const c10::BFloat16* even = 2 * p < count ? v_ptr + slot_of(table, block_size, t) * slot_stride + head * dim : nullptr;
+    const c10::BFloat16* odd = 2 * p + 1 < count ? v_ptr + slot_of(table, block_size, t + 1) * slot_stride + head * dim : nullptr;
+    for (int64_t b = 0; b < dim_blocks; ++b) {
+      const __m512i lo = even ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + b * 16)))
+                              : _mm512_setzero_si512();
+      const __m512i hi = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + b * 16)))
+                             : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (b * 16 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+#endif
+
+// The inputs both paged-attention entry points take: query and out [tokens, heads, head_dim] with
+// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype, and
+// int32 block tables and lengths for num_seqs sequences.
+void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                        int64_t num_seqs);
+
+}  // namespace pagecli

@@ -1,0 +1,58 @@
+// The Python module of pagecli's CPU kernels: every entry point of the files beside this one, bound
+// once (built by pagecli.native as one extension, one build per instruction-set level).
+
+#include <torch/extension.h>
+
+#include "cpu_ops.h"
+#include "decode_step.h"
+#include "gemm_bf16.h"
+#include "quant_int8.h"
+#include "simd.h"
+
+#include <memory>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &pagecli::paged_decode_attention, "Paged decode attention, one query token per sequence");
+  m.def("paged_prefill_attention", &pagecli::paged_prefill_attention, "Causal paged attention for prefilling sequences (AMX, bf16)");
+  m.def("paged_prefill_supported", &pagecli::paged_prefill_supported, "Whether paged_prefill_attention takes such query and cache");
+  m.def("linear_bf16_rows", &pagecli::linear_bf16_rows, "bf16 linear for a few rows (AVX512-BF16)");
+  m.def("add_rms_norm", &pagecli::add_rms_norm, "h += delta (optional), then weight * rms_norm(h)");
+  m.def("rotary_", &pagecli::rotary_, "Rotary embedding in place (rotate-half layout)");
+  m.def("silu_mul", &pagecli::silu_mul, "silu(gate) * up from a fused gate_up output");
+  m.def("has_bf16_linear", &pagecli::has_bf16_linear, "Whether linear_bf16_rows was built");
+  m.def("linear", &pagecli::native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");
+  m.def("has_amx", &pagecli::has_amx, "Whether linear_bf16_amx was built and the OS grants AMX tiles");
+  m.def("pack_bf16_weights", &pagecli::pack_bf16_weights, "w [N, K] bf16 -> the panels linear_bf16_packed reads");
+  m.def("linear_bf16_packed", &pagecli::linear_bf16_packed, "x @ w^T (+ bias) over pack_bf16_weights(w), any rows");
+  m.def("has_packed_linear", &pagecli::has_packed_linear, "Whether pack_bf16_weights/linear_bf16_packed were built");
+  m.def("gather_packed_rows", &pagecli::gather_packed_rows, "w[ids] read back from pack_bf16_weights(w)");
+  // module_local (here and for DecodeStep): each level's build is a separate module in one process
+  // (tests load several), and pybind11 would otherwise register the same C++ types twice.
+  pybind11::class_<pagecli::PackedProduct, std::shared_ptr<pagecli::PackedProduct>>(m, "PackedProduct",
+                                                                                  pybind11::module_local())
+      .def("forward", &pagecli::PackedProduct::forward, "x [..., K] -> x @ w^T (+ bias) [..., N]");
+  pybind11::class_<pagecli::PackedLinear, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinear>>(
+      m, "PackedLinear", pybind11::module_local())
+      .def(pybind11::init<const torch::Tensor&, const c10::optional<torch::Tensor>&>(), pybind11::arg("weight"),
+           pybind11::arg("bias") = pybind11::none())
+      .def("rows", &pagecli::PackedLinear::rows, "w[ids] [..., K], read from the panels")
+      .def_property_readonly("panels", &pagecli::PackedLinear::panels)
+      .def_property_readonly("out_features", &pagecli::PackedLinear::out_features)
+      .def_property_readonly("in_features", &pagecli::PackedLinear::in_features);
+  pybind11::class_<pagecli::PackedLinearInt8, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinearInt8>>(
+      m, "PackedLinearInt8", pybind11::module_local())
+      .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&>(),
+           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none())
+      .def_property_readonly("weights", &pagecli::PackedLinearInt8::weights)
+      .def_property_readonly("out_features", &pagecli::PackedLinearInt8::out_features)
+      .def_property_readonly("in_features", &pagecli::PackedLinearInt8::in_features);
+  m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_bf16, avx2 or ''");
+#if PAGECLI_HAVE_AMX
+  m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");
+#endif
+  pybind11::class_<pagecli::DecodeStep>(m, "DecodeStep", pybind11::module_local())
+      .def(pybind11::init<std::vector<pagecli::DecodeStep::Layer>, std::vector<pagecli::DecodeStep::PackedLayer>, torch::Tensor,
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &pagecli::DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "One decode step through every layer; returns the final norm's output");
+}

@@ -1,0 +1,40 @@
+// Entry points of pagecli's CPU kernels, one file per concern beside this one (decode_attention.cpp,
+// prefill_attention.cpp, linear.cpp, elementwise.cpp; the packed GEMM in gemm_bf16.h, DecodeStep in
+// decode_step.h), bound into one Python module by bindings.cpp.
+//
+// Layouts (see pagecli/attention): cache [num_blocks, block_size, kv_heads, head_dim];
+// block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+
+#pragma once
+
+#include <torch/types.h>
+
+#include "simd.h"
+
+namespace pagecli {
+
+// decode_attention.cpp: one query token per sequence, query and out [num_seqs, heads, head_dim].
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+
+// prefill_attention.cpp: causal attention of prefilling sequences' new tokens (AMX, bf16 caches).
+bool paged_prefill_supported(const torch::Tensor& query, const torch::Tensor& k_cache);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start,
+                             double scale);
+
+// linear.cpp: products over row-layout weights w [N, K].
+torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+#if PAGECLI_HAVE_AMX
+torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+#endif
+bool has_amx();
+bool has_bf16_linear();
+torch::Tensor native_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+
+// elementwise.cpp: fused elementwise steps of a decoder layer.
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+}  // namespace pagecli

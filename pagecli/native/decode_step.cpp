@@ -1,0 +1,101 @@
+// DecodeStep (decode_step.h): every layer of a decode-only step, kernel for kernel as the Python
+// layer loop runs them.
+
+#include "decode_step.h"
+
+#include "cpu_ops.h"
+
+#include <cstring>
+
+namespace pagecli {
+namespace {
+
+// RMSNorm.forward of pagecli.models.layers, op for op (q/k norms of Qwen3).
+torch::Tensor rms_norm_like_torch(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto x32 = x.to(torch::kFloat);
+  x32 = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * x32.to(x.scalar_type());
+}
+
+}  // namespace
+
+DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
+                       torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+    : layers_(std::move(layers)), packed_(std::move(packed)), final_norm_(std::move(final_norm)),
+      cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim), eps_(eps), scale_(scale) {
+  TORCH_CHECK(packed_.empty() || packed_.size() == layers_.size(), "DecodeStep: packed products for every layer or none");
+  for (const auto& layer : layers_) {
+    TORCH_CHECK(layer.size() == 12, "DecodeStep: each layer needs 12 entries");
+    for (int i : {0, 7}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
+    if (packed_.empty()) {
+      for (int i : {1, 5, 8, 10}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
+    }
+  }
+  for (const auto& layer : packed_) {
+    TORCH_CHECK(layer.size() == 4 && layer[0] && layer[1] && layer[2] && layer[3],
+                "DecodeStep: each packed layer needs its 4 products");
+  }
+}
+
+torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
+                                  torch::Tensor seq_lens, torch::Tensor slots) const {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [rows, hidden] tensor");
+  TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == static_cast<int64_t>(layers_.size()) &&
+                  kv_caches.is_contiguous() && kv_caches.scalar_type() == h.scalar_type(),
+              "kv_caches must be contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == h.size(0),
+              "slots must be contiguous int64, one per row");
+  const int64_t rows = h.size(0);
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  c10::optional<torch::Tensor> delta;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& w = layers_[i];
+    auto x = add_rms_norm(h, delta, *w[0], eps_);
+    auto qkv = product(i, 0, x);
+    auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+    auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    if (w[3].has_value()) {
+      q = rms_norm_like_torch(q, *w[3], eps_);
+      k = rms_norm_like_torch(k, *w[4], eps_);
+    }
+    rotary_(q, positions, cos_, sin_);
+    rotary_(k, positions, cos_, sin_);
+    auto k_cache = kv_caches.select(0, i).select(0, 0);
+    auto v_cache = kv_caches.select(0, i).select(0, 1);
+    store_rows(k, k_cache, slots);
+    store_rows(v, v_cache, slots);
+    auto attn = torch::empty({rows, num_heads_, head_dim_}, h.options());
+    paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale_);
+    delta = product(i, 1, attn.view({rows, q_size}));
+    x = add_rms_norm(h, delta, *w[7], eps_);
+    auto gate_up = product(i, 2, x);
+    delta = product(i, 3, silu_mul(gate_up));
+  }
+  return add_rms_norm(h, delta, final_norm_, eps_);
+}
+
+
+torch::Tensor DecodeStep::product(size_t layer, int which, const torch::Tensor& x) const {
+  if (!packed_.empty()) return packed_[layer][which]->forward(x);
+  static constexpr int kWeight[] = {1, 5, 8, 10};
+  const Layer& w = layers_[layer];
+  return native_linear(x, *w[kWeight[which]], w[kWeight[which] + 1]);
+}
+
+void DecodeStep::store_rows(const torch::Tensor& rows, torch::Tensor& cache, const torch::Tensor& slots) const {
+  TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == head_dim_, "k/v rows must be contiguous per token");
+  const int64_t row_bytes = num_kv_heads_ * head_dim_ * rows.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  for (int64_t t = 0; t < rows.size(0); ++t) {
+    if (sp[t] < 0) continue;
+    TORCH_CHECK(sp[t] < num_slots, "slot out of range");
+    std::memcpy(base + sp[t] * row_bytes, src + t * rows.stride(0) * rows.element_size(), row_bytes);
+  }
+}
+
+}  // namespace pagecli

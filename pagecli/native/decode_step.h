@@ -1,0 +1,54 @@
+// A whole decode step in one call: the layer loop of CausalLM.forward in C++ (decode_step.cpp).
+
+#pragma once
+
+#include <torch/types.h>
+
+#include "gemm_bf16.h"
+
+#include <memory>
+#include <vector>
+
+namespace pagecli {
+
+// ---- A whole decode step in one call ------------------------------------------------------------
+// CausalLM.forward in Python makes about fifteen small calls per layer. For one chat stream that
+// is a few ms of interpreter and dispatch per token, and the pauses let the second OpenMP thread
+// go to sleep between products. DecodeStep runs the same layer, kernel for kernel and in the same
+// order (so its results are bit-identical to the Python loop), for steps where every sequence
+// decodes one token. Weights are held by reference, as CausalLM.use_cpu_ops found them.
+class DecodeStep {
+ public:
+  // Per layer, in this order (None where the model has no such tensor): input norm, qkv weight, qkv
+  // bias, q norm, k norm, o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down
+  // weight, down bias.
+  using Layer = std::vector<c10::optional<torch::Tensor>>;
+  // Per layer, the four products (qkv, o, gate_up, down) packed at load (PackedLinear, or
+  // PackedLinearInt8 with --quantize int8); their weights and biases in Layer are then None. Empty:
+  // every product by native_linear over Layer's weights.
+  using PackedLayer = std::vector<std::shared_ptr<PackedProduct>>;
+
+  DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
+             torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+
+  // h [rows, hidden] (the embeddings; used as the residual stream), positions [rows] int64,
+  // kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim], block_tables/seq_lens as for
+  // paged_decode_attention, slots [rows] int64 (-1: do not store). Returns the final norm's output.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
+                        torch::Tensor seq_lens, torch::Tensor slots) const;
+
+ private:
+  // Product `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`, as the Python layer runs it.
+  torch::Tensor product(size_t layer, int which, const torch::Tensor& x) const;
+
+  // cache slot slots[t] of [blocks, block_size, kv_heads, head_dim] = rows[t] (an index_copy_).
+  void store_rows(const torch::Tensor& rows, torch::Tensor& cache, const torch::Tensor& slots) const;
+
+  std::vector<Layer> layers_;
+  std::vector<PackedLayer> packed_;
+  torch::Tensor final_norm_, cos_, sin_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
+
+}  // namespace pagecli

@@ -1,0 +1,172 @@
+"""int8 weights (--quantize int8): symmetric per output channel, quantized at load, multiplied by
+pagecli.native's int8 kernels (AVX512-BF16: packed panels widened to bf16 in registers; AVX2: FMA
+over the rows as they lie) or the PyTorch reference.
+
+Tolerances: the kernels' products of bf16 activations and int8 weights are exact in fp32 and only
+the sum order and the final rounding to bf16 differ from float32 math on the dequantized weights,
+so a bf16 output is within 1e-2 (relative) + 1e-2 * sqrt(K) (absolute) of it, as the bf16 GEMM's
+tests allow; float32 outputs (AVX2) within 1e-4 * sqrt(K).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagecli import native
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+from pagecli.errors import PagecliError
+from pagecli.models.layers import Linear
+from pagecli.models.quantize import Int8Reference, dequantize_int8, quantize_int8
+from pagecli.native import isa
+
+COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
+ROWS = (1, 2, 3, 5, 8, 13, 130)
+
+
+@pytest.fixture(scope="module", params=COMPILED_LEVELS)
+def ops(request):
+    if not native.enabled():
+        pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off")
+    module = native.cpu_ops_for(request.param)
+    if not module.int8_linear_kind():
+        pytest.skip(f"the {request.param} build has no int8 kernel")
+    return module
+
+
+def int8_case(rows, in_features, out_features, bias, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed + rows * 1000 + in_features * 7 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)  # [M, K]
+    w = torch.randn(out_features, in_features, generator=gen)  # [N, K]
+    w[min(3, out_features - 1)] = 0  # an all-zero channel
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None  # [N]
+    q, scale = quantize_int8(w)
+    return x, q, scale, b
+
+
+def test_quantizing_rounds_each_weight_to_within_half_its_channels_step():
+    w = torch.randn(37, 101, generator=torch.Generator().manual_seed(1))
+    w[5] = 0
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (37,) and q.abs().max() <= 127
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert not q[5].any()
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int8_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
+    _, q, scale, b = int8_case(1, in_features, out_features, bias)
+    layer = ops.PackedLinearInt8(q, scale, b)
+    weights = dequantize_int8(q, scale)
+    dtypes = [torch.bfloat16] + ([torch.float32] if ops.int8_linear_kind() == "avx2" else [])
+    for dtype in dtypes:
+        for rows in ROWS:
+            x, _, _, _ = int8_case(rows, in_features, out_features, bias, dtype=dtype, seed=1)
+            got = layer.forward(x)
+            expected = x.float() @ weights.T + (b.float() if bias else 0)
+            atol = (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(in_features)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                                       msg=lambda m, rows=rows: f"{rows} rows: {m}")
+            reference = Int8Reference(q, scale, b).forward(x)
+            torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000)])
+def test_an_int8_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features):
+    x, q, scale, b = int8_case(130, in_features, out_features, True)
+    layer = ops.PackedLinearInt8(q, scale, b)
+    batch = layer.forward(x)
+    for m in (0, 5, 63, 129):
+        assert torch.equal(layer.forward(x[m : m + 1]), batch[m : m + 1]), f"row {m}"
+    for start, stop in ((0, 64), (3, 16), (60, 130)):
+        assert torch.equal(layer.forward(x[start:stop]), batch[start:stop]), f"rows {start}:{stop}"
+    assert torch.equal(layer.forward(x[:12].view(3, 4, in_features)), batch[:12].view(3, 4, out_features))
+
+
+def test_the_int8_kernel_refuses_what_it_cannot_take(ops):
+    _, q, scale, b = int8_case(1, 64, 48, True)
+    with pytest.raises(RuntimeError, match="int8 \\[N, K\\]"):
+        ops.PackedLinearInt8(q.float(), scale, b)
+    with pytest.raises(RuntimeError, match="scale must have N = 48"):
+        ops.PackedLinearInt8(q, scale[:-1], b)
+    with pytest.raises(RuntimeError, match="x \\[..., 64\\]"):
+        ops.PackedLinearInt8(q, scale, b).forward(torch.zeros(2, 65, dtype=torch.bfloat16))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42]]
+
+
+def int8_engine(folder, **config) -> Engine:
+    settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 4, "quantize": "int8", **config}
+    return Engine(str(folder), EngineConfig(**settings))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
+def test_int8_greedy_output_does_not_depend_on_batching_or_chunking(tiny_model_factory, arch):
+    folder = tiny_model_factory(arch)
+    with int8_engine(folder) as engine:
+        layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
+        assert layers and all(m.weight is None and m.packed is not None for m in layers)
+        alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+        together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    with int8_engine(folder, max_num_batched_tokens=3) as engine:
+        chunked = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    assert together == alone and chunked == alone
+
+
+def test_the_torch_level_runs_int8_on_the_pytorch_reference(tiny_model_factory, monkeypatch):
+    monkeypatch.setenv("PAGECLI_CPU_ISA", "torch")
+    monkeypatch.setattr(native, "_state", {})
+    with int8_engine(tiny_model_factory("llama")) as engine:
+        layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
+        assert all(isinstance(m.packed, Int8Reference) for m in layers)
+        outs = engine.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+
+
+def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False)) as engine:
+        bf16_bytes = engine.weights_bytes
+    with int8_engine(folder) as engine:
+        int8_bytes = engine.weights_bytes
+    assert int8_bytes < bf16_bytes
+
+
+def test_quantize_is_checked_and_cpu_only():
+    with pytest.raises(PagecliError, match="quantize must be one of none, int8"):
+        EngineConfig(quantize="int4")
+    from pagecli.models.quantize import check_quantize_device
+
+    with pytest.raises(PagecliError, match="CPU only"):
+        check_quantize_device("int8", torch.device("cuda"))
+
+
+@pytest.mark.slow
+def test_int8_greedy_tokens_follow_bf16_for_a_while_on_the_embedded_model(smollm2_dir):
+    """SmolLM2-135M's greedy output with int8 decoder weights against bf16, on test_smollm2_end_to_end's
+    9 requests, 24 tokens each. int8 changes the model, so tokens may part ways. Measured 2026-11-25
+    (Zen 4, AVX512-BF16 kernel): 3 of 9 requests identical, first differing tokens
+    [0, 1, 0, 24, 5, 4, 6, 24, 24] (88 of 216 tokens in agreeing prefixes). float32 with the PyTorch int8
+    reference parts as early ([24, 0, 1, 24, 6, 2, 0, 24, 24]): the quantization moves them, not the
+    kernel. The bound keeps a broken kernel (which parts at once everywhere) from passing."""
+    from test_smollm2_end_to_end import REQUESTS
+
+    def outputs(quantize):
+        settings = {"dtype": "bfloat16", "disk_cache": False, "quantize": quantize}
+        with Engine(str(smollm2_dir), EngineConfig(**settings)) as engine:
+            prompts = [engine.encode_chat(r["messages"]) if "messages" in r else engine.encode(r["prompt"])
+                       for r in REQUESTS]
+            return [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                                 ignore_eos=True))]
+
+    bf16, int8 = outputs("none"), outputs("int8")
+    agreeing = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(bf16, int8)]
+    print("int8 vs bf16, first differing token per request:", agreeing)
+    assert sum(n == 24 for n in agreeing) >= 2 and sum(agreeing) >= 60, agreeing
