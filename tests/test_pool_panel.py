@@ -111,3 +111,14 @@ def test_turn_figures_and_stats_table_read_the_same_snapshot(tiny_llama):
     table = render(stats_table(stats))
     for key in stats.to_dict():
         assert key in table
+
+
+def test_a_grouped_cell_shows_the_most_significant_state_it_holds():
+    # 9 blocks a cell: a short chat's 3 cached blocks share one cell with 6 free ones, and must show.
+    states = ("cached",) * 3 + ("free",) * 2301
+    cells, group = group_states(states, 256)
+    assert group == 9
+    assert cells[0] == "cached" and set(cells[1:]) == {"free"}
+    mixed = ("free",) * 5 + ("active",) + ("cached",) * 2 + ("shared",)
+    assert group_states(mixed * 300, 256)[0][0] == "shared"
+    assert group_states((("free",) * 7 + ("active",) + ("cached",)) * 300, 256)[0][0] == "active"

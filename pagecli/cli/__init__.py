@@ -90,7 +90,8 @@ def _register_optional_commands() -> None:
     """Commands that live in their own modules (each registers on `app`)."""
     import importlib
 
-    for module in ("pagecli.cli.models_cmd", "pagecli.cli.chat", "pagecli.cli.bench", "pagecli.cli.cache_cmd"):
+    for module in ("pagecli.cli.models_cmd", "pagecli.cli.chat", "pagecli.cli.bench", "pagecli.cli.cache_cmd",
+                   "pagecli.cli.serve", "pagecli.cli.doctor"):
         importlib.import_module(module)
 
 

@@ -2,12 +2,12 @@
 
 Every figure here is read from the snapshot (and the turn's TurnStats, itself a difference of
 two snapshots); nothing is counted again. Each map cell is one block, or a group of
-consecutive blocks when the pool is too big to draw, coloured by the group's most common state.
+consecutive blocks when the pool is too big to draw, coloured by the most significant state present
+in the group (shared > active > cached > free), so a few busy blocks among many free ones still show.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from rich.console import Group
@@ -17,7 +17,7 @@ from rich.text import Text
 from pagecli.chat.turn import TurnStats
 from pagecli.engine.stats import EngineStats
 
-# Drawing order is also the tie-break order in a grouped cell: the rarer, busier state wins.
+# Drawing order is also the significance order: a grouped cell shows the first of these it holds.
 STATE_STYLES: dict[str, tuple[str, str]] = {
     "shared": ("▓", "bold magenta"),
     "active": ("█", "green"),
@@ -46,11 +46,10 @@ def group_states(states: Sequence[str], max_cells: int) -> tuple[list[str], int]
     group = max(1, -(-len(states) // max_cells))
     if group == 1:
         return list(states), 1
-    priority = list(STATE_STYLES)
     cells = []
     for start in range(0, len(states), group):
-        counts = Counter(states[start : start + group])
-        cells.append(max(counts, key=lambda s: (counts[s], -priority.index(s))))
+        present = set(states[start : start + group])
+        cells.append(next(state for state in STATE_STYLES if state in present))
     return cells, group
 
 

@@ -1,0 +1,54 @@
+"""`pagecli serve`: the OpenAI-compatible HTTP server on one engine, with the pool view on a terminal."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from pagecli.cli import app
+from pagecli.cli import options as o
+from pagecli.errors import PagecliError
+
+ModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, help="Local HF folder, hub id or .gguf file (same as --model).")]
+HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 listens on every interface.")]
+PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="PAGECLI_API_KEY", show_default=False,
+    help="Require 'Authorization: Bearer KEY' on /v1 requests (or set PAGECLI_API_KEY).")]
+MaxPendingOpt = Annotated[int, typer.Option(
+    "--max-pending", metavar="N", help="Most sequences queued or running at once; more are answered 429.")]
+GraceOpt = Annotated[float, typer.Option(
+    "--grace", metavar="SECONDS", help="On SIGTERM or Ctrl-C, how long running requests may finish.")]
+ScreenOpt = Annotated[Optional[bool], typer.Option(
+    "--screen/--no-screen", show_default=False,
+    help="Live pool panel and request table (default: when stdout is a terminal; else one log line a request).")]
+
+
+@app.command()
+@o.engine_flags
+def serve(
+    model_arg: ModelArg = None, flags: o.RunFlags = None,  # type: ignore[assignment] - filled by engine_flags
+    host: HostOpt = "127.0.0.1", port: PortOpt = 8000, api_key: ApiKeyOpt = None,
+    max_pending: MaxPendingOpt = 256, grace: GraceOpt = 30.0, screen: ScreenOpt = None,
+) -> None:
+    """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    from pagecli.serve.server import ServeOptions, run_server
+
+    if model_arg and flags.model and model_arg != flags.model:
+        raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")
+    if not 0 <= port <= 65535:
+        raise PagecliError(f"--port must be from 0 to 65535 (got {port}).")
+    if max_pending < 1:
+        raise PagecliError(f"--max-pending must be at least 1 (got {max_pending}).")
+    if grace < 0:
+        raise PagecliError(f"--grace must be 0 or more seconds (got {grace:g}).")
+    settings = flags.settings(model=model_arg)
+    if getattr(settings.sampling, "n", 1) > 1:
+        raise PagecliError(f"`pagecli serve` takes n per request (the request's 'n' field), not n "
+                           f"{settings.sampling.n} for all; drop --n or set n = 1 in the profile.")
+    options = ServeOptions(host, port, api_key or None, max_pending, grace, screen)
+    code = run_server(settings, options)
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,149 @@
+"""Starting and stopping the server: load the engine, start its thread, listen with uvicorn, and on
+SIGTERM or Ctrl-C stop accepting, let what runs finish within the grace period, cancel the rest, flush
+the disk prefix store and return 0."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from pagecli.errors import PagecliError
+from pagecli.serve.app import ServeState, create_app
+from pagecli.serve.engine_thread import EngineThread
+from pagecli.serve.metrics import ServerMetrics
+from pagecli.serve.request_log import RequestLog
+from pagecli.ui.progress import load_summary, say
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_pending: int = 256  # candidates queued or running; more get 429
+    grace_s: float = 30.0  # how long SIGTERM waits for running requests before cancelling them
+    screen: bool | None = None  # the live pool panel and request table; default: when stdout is a terminal
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also tells the engine thread to refuse new jobs once a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, engine_thread: EngineThread, request_log: RequestLog,
+                 grace_s: float) -> None:
+        super().__init__(config)
+        self.engine_thread = engine_thread
+        self.request_log = request_log
+        self.grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.engine_thread.accepting:
+            self.request_log.note(f"Stopping: no new requests; {self.engine_thread.pending} sequence(s) still "
+                                  f"running get up to {self.grace_s:g} s.")
+        self.engine_thread.stop_accepting()
+        super().handle_exit(sig, frame)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so a taken port is one clear sentence (uvicorn would exit)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PagecliError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or "
+                           "--host.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def model_ids(engine: Any) -> tuple[str, ...]:
+    """The id /v1/models lists (the model as the user named it) and the other names a request may use."""
+    names = [engine.model_name, Path(engine.model_name).name, engine.loaded.folder.name]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def build_state(engine: Any, settings: Any, options: ServeOptions, request_log: RequestLog,
+                block_states: bool = False) -> ServeState:
+    """The engine thread (not started), metrics and everything the routes need."""
+    thread: EngineThread | None = None
+    metrics = ServerMetrics(lambda: thread.snapshot)  # type: ignore[union-attr]
+    thread = EngineThread(engine, options.max_pending, [metrics], block_states=block_states,
+                          on_warning=request_log.note)
+    return ServeState(thread, model_ids(engine), options.api_key, settings.sampling, metrics,
+                      request_log, int(time.time()))
+
+
+def run_server(settings: Any, options: ServeOptions) -> int:
+    from pagecli.engine import Engine
+
+    if options.host not in LOOPBACK_HOSTS and not options.api_key:
+        say(f"Warning: listening on {options.host} without --api-key: anyone who can reach this machine can use "
+            "the model.", style="yellow")
+    sock = listen_socket(options.host, options.port)
+    say("Loading model ...", style="dim")
+    engine = Engine(settings.model, settings.engine, progress=lambda msg: say(msg, style="dim"))
+    say(load_summary(engine.stats()), style="dim")
+    use_screen = sys.stdout.isatty() if options.screen is None else options.screen
+    screen = _screen(use_screen)
+    state = build_state(engine, settings, options, RequestLog(sink=screen.add_line if screen else None), use_screen)
+    if screen is not None:
+        screen.attach(state.engine_thread)
+    try:
+        _serve(state, sock, options, screen)
+    finally:
+        engine.close()  # waits for the disk prefix store's writes
+        for warning in engine.take_warnings():
+            say(f"Warning: {warning}", style="yellow")
+    return 0
+
+
+def _screen(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from pagecli.ui.serve_screen import ServeScreen
+
+    return ServeScreen()
+
+
+def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen: Any) -> None:
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=max(1, int(options.grace_s)))
+    server = _Server(config, state.engine_thread, state.log, options.grace_s)
+    state.engine_thread.start()
+    say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops it)")
+    try:
+        with _signals_end_quietly(), screen or nullcontext():
+            server.run(sockets=[sock])
+    finally:
+        state.engine_thread.stop(options.grace_s)
+        sock.close()
+    say("Stopped.", style="dim")
+
+
+@contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """uvicorn catches SIGINT/SIGTERM while it serves, then raises them again for the handlers found
+    before it: make those no-ops, so a stop is a clean exit 0 rather than a KeyboardInterrupt or death."""
+    if sys.platform == "win32":
+        yield
+        return
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

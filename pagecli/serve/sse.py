@@ -1,0 +1,66 @@
+"""Server-sent events as OpenAI streams them: one `data: {json}` event per chunk, then `data: [DONE]`;
+the events of one job's messages, and the streaming response that cancels its job however it ends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+
+from pagecli.serve.engine_thread import EngineThread
+from pagecli.serve.jobs import Job, Rejected
+from pagecli.serve.responses import Shape
+
+DONE = b"data: [DONE]\n\n"
+MEDIA_TYPE = "text/event-stream"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class StreamProgress:
+    """Which candidates of a streamed job have started and how many are left; an error ends the stream."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.started: set[int] = set()
+        self.status = 200
+        self.error: str | None = None
+
+    def events(self, message: Any, shape: Shape) -> bytes:
+        """The SSE events for one message from the engine thread (none after an error)."""
+        if self.error is not None:
+            return b""
+        if isinstance(message, Rejected):
+            self.status, self.error = message.error.status, message.error.message
+            return event(message.error.body())
+        index, update = message.index, message.event
+        out = b""
+        if update.text or index not in self.started:
+            out += event(shape.chunk(index, update.text, None, first=index not in self.started))
+            self.started.add(index)
+        if update.finished:
+            self.left -= 1
+            out += event(shape.chunk(index, "", update.finish_reason))
+        return out
+
+
+class JobStream(StreamingResponse):
+    """The SSE response of one job. However it ends (a client gone before the first chunk included, when
+    the body generator never starts), whatever of the job still runs is cancelled."""
+
+    def __init__(self, body: AsyncIterator[bytes], engine_thread: EngineThread, job: Job) -> None:
+        super().__init__(body, media_type=MEDIA_TYPE, headers=HEADERS)
+        self._engine_thread = engine_thread
+        self._job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._job.status in ("queued", "running"):
+                self._engine_thread.cancel(self._job)
