@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+# Bytes of one K (or V) tile a program loads per step. Larger tiles spill registers or exceed the
+# SM's share for good occupancy on sm_80/sm_90 (python -m pagecli.kernels.aot checks; docs/GPU.md).
+KV_TILE_BYTES = 8192
 
 # @triton.jit picks interpreter or compiler when the kernel is decorated, i.e. when
 # this package is imported; read the switch at the same moment so the two agree.
@@ -23,6 +26,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 def interpreting() -> bool:
     """True when the kernels of this package run in Triton's CPU interpreter."""
     return INTERPRETING
+
+
+def kv_tile_tokens(head_dim_pad: int, element_bytes: int, most: int) -> int:
+    """Tokens per K/V tile: as many as fit KV_TILE_BYTES, at least 16 (tl.dot's minimum), at most `most`."""
+    return max(16, min(most, KV_TILE_BYTES // (head_dim_pad * element_bytes)))
 
 
 @triton.jit

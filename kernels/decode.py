@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, load_kv_tile, online_softmax_step
+from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, kv_tile_tokens, load_kv_tile, online_softmax_step
 
 MAX_SPLITS = 16  # beyond this the merge costs more than the extra parallelism gains
 MIN_SPLIT_TOKENS = 256  # a shorter split spends more on its own setup and merge than on its tokens
@@ -225,7 +225,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=64 if head_dim_pad <= 128 else 32,
+        BLOCK_N=kv_tile_tokens(head_dim_pad, k_cache.element_size(), most=64),
         NUM_SPLITS=num_splits,
         FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
         num_warps=4,
