@@ -1,7 +1,7 @@
 """pagecli against llama.cpp at realistic model sizes: llama-bench's figures and a batched one.
 
     .venv/bin/python scripts/bench_shapes.py --model DIR --llama-cpp BUILD_BIN [--ggufs F16,Q8_0,Q4_0]
-        [--reps 3] [--threads 2] [--only pp512,tg128,batch]
+        [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8]
 
 DIR is a folder made by scripts/make_shape_models.py (random weights of a real shape), with its
 GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the
@@ -10,7 +10,8 @@ contenders alternating within every repetition; medians with the range:
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
-pagecli runs in bf16 (PAGECLI_CPU_ISA picks the kernel level); llama.cpp with -t THREADS.
+pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level); llama.cpp
+with -t THREADS.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ CHILD = r"""
 import json, sys, time, torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-task, model, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+task, model, threads, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(threads)
 engine = Engine(model, EngineConfig(dtype="bfloat16", disk_cache=False, max_num_batched_tokens=4096,
-                                    kv_budget_gib=2.0, max_num_seqs=16))
+                                    kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize))
 gen = torch.Generator().manual_seed(0)
 def ids(n):
     return torch.randint(100, 40000, (n,), generator=gen).tolist()
@@ -59,9 +60,9 @@ print(json.dumps({"rate": rate}))
 """
 
 
-def pagecli_rate(task: str, model: str, threads: int) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads)], capture_output=True, text=True,
-                         check=True)
+def pagecli_rate(task: str, model: str, threads: int, quantize: str) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize], capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
 
 
@@ -89,9 +90,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="pp512,tg128,batch")
+    ap.add_argument("--quantize", default="none", help="pagecli's weight formats to run, e.g. none,int8")
     args = ap.parse_args()
     model = args.model.rstrip("/")
-    contenders = {"pagecli bf16": lambda task: pagecli_rate(task, model, args.threads)}
+    contenders = {f"pagecli {'bf16' if q == 'none' else q}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q))
+                  for q in args.quantize.split(",")}
     for kind in args.ggufs.split(","):
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,
                                                                                               args.threads))
