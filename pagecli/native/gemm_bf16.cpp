@@ -45,12 +45,12 @@ namespace {
 constexpr int64_t kLanes = 16;                             // fp32 lanes of a zmm: columns per weight vector
 constexpr int64_t kPanelVectors = 3;                       // weight vectors per k pair of a panel
 constexpr int64_t kPanelCols = kLanes * kPanelVectors;     // 48 output columns per panel
+static_assert(kPanelCols == kPackedPanelCols, "the kernel's panel width is the packed layout's");
 constexpr int64_t kTileRows = 8;                           // rows of x per register tile
 constexpr int64_t kPairBytes = kPanelCols * 2 * 2;         // 192: one k pair of a panel, one line per vector
 constexpr int64_t kAheadBytes = 16384;                     // software prefetch distance past the loads
 
 #if PAGECLI_HAVE_PACKED_GEMM
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One register tile's operands: up to 8 rows of x against one panel.
 struct Tile {
@@ -161,16 +161,8 @@ at::Tensor pack_bf16_weights(const at::Tensor& w) {
   TORCH_CHECK(N > 0 && K > 0, "pack_bf16_weights needs a non-empty weight");
   const int64_t num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
   auto packed = at::zeros({num_panels, k_pairs, kPanelCols, 2}, w.options());  // [num_panels, k_pairs, 48, 2]
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
-        const uint16_t* row = src + (p * kPanelCols + c) * K;
-        for (int64_t k = 0; k < K; ++k) dst[((p * k_pairs + k / 2) * kPanelCols + c) * 2 + k % 2] = row[k];
-      }
-    }
-  });
+  pack_into_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K);
   return packed;
 #else
   TORCH_CHECK(false, "pack_bf16_weights needs AVX512-BF16, which this build lacks (has_packed_linear() is false)");

@@ -4,11 +4,31 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
 
 namespace pagecli {
+
+constexpr int64_t kPackedPanelCols = 48;  // output columns per panel of the packed layouts (bf16, int8)
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The panel layout both packed kernels stream: src [N, K] row-major -> dst [ceil(N / 48), ceil(K / 2), 48, 2]
+// with dst[p, j, c, h] = src[48 p + c, 2 j + h]. dst must come zeroed: padding past N or K stays zero.
+template <typename T>
+void pack_into_panels(const T* src, T* dst, int64_t N, int64_t K) {
+  const int64_t num_panels = ceil_div(N, kPackedPanelCols), k_pairs = ceil_div(K, 2);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPackedPanelCols && p * kPackedPanelCols + c < N; ++c) {
+        const T* row = src + (p * kPackedPanelCols + c) * K;
+        for (int64_t k = 0; k < K; ++k) dst[((p * k_pairs + k / 2) * kPackedPanelCols + c) * 2 + k % 2] = row[k];
+      }
+    }
+  });
+}
 
 // w [N, K] bf16 contiguous -> the packed panels linear_bf16_packed reads (layout in gemm_bf16.cpp):
 // bf16 [ceil(N / 48), ceil(K / 2), 48, 2], zero where N or K is padded.

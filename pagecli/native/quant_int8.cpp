@@ -35,10 +35,8 @@
 namespace pagecli {
 namespace {
 
-constexpr int64_t kPanelCols = 48;  // output columns per panel, as gemm_bf16.cpp
-constexpr int64_t kTileRows = 8;    // rows of x per register tile (AVX-512)
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kPanelCols = kPackedPanelCols;  // output columns per panel (gemm_bf16.h's layout)
+constexpr int64_t kTileRows = 8;                   // rows of x per register tile (AVX-512)
 
 // [N] -> fp32 [ceil(N / 48) * 48], zero past N.
 at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
@@ -52,16 +50,7 @@ at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
 at::Tensor pack_int8(const at::Tensor& q) {
   const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
   auto packed = at::zeros({num_panels, k_pairs, kPanelCols, 2}, q.options());  // [num_panels, k_pairs, 48, 2]
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = packed.data_ptr<int8_t>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
-        const int8_t* row = src + (p * kPanelCols + c) * K;
-        for (int64_t k = 0; k < K; ++k) dst[((p * k_pairs + k / 2) * kPanelCols + c) * 2 + k % 2] = row[k];
-      }
-    }
-  });
+  pack_into_panels(q.data_ptr<int8_t>(), packed.data_ptr<int8_t>(), N, K);
   return packed;
 }
 
