@@ -140,15 +140,6 @@ void run_tile(int64_t rows, const Tile& t, WeightStream& stream, const char* lim
     default: tile_kernel<8, kLines>(t, stream, limit_begin, limit_step); break;
   }
 }
-
-// How many groups the row blocks split into, so that (panels x groups) work units keep every
-// thread busy. Up to 32 rows the weights' memory stream dominates: one reader per panel.
-int64_t row_groups_for(int64_t num_panels, int64_t row_blocks) {
-  if (row_blocks <= 4) return 1;
-  const int64_t wanted_units = 4 * at::get_num_threads();
-  if (num_panels >= wanted_units) return 1;
-  return std::min(row_blocks, ceil_div(wanted_units, num_panels));
-}
 #endif
 
 }  // namespace
@@ -182,8 +173,8 @@ at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const 
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_bytes = k_pairs * kPairBytes;
   const int64_t row_blocks = ceil_div(M, kTileRows);
-  const int64_t blocks_per_group = ceil_div(row_blocks, row_groups_for(num_panels, row_blocks));
-  const int64_t row_groups = ceil_div(row_blocks, blocks_per_group);
+  const RowGroups split = split_row_blocks(num_panels, row_blocks);
+  const int64_t row_groups = split.count, blocks_per_group = split.blocks_per_group;
   // Work unit u: panel u / row_groups, row group u % row_groups; a thread's units are consecutive,
   // so its panels are one run of the weights, read in order.
   at::parallel_for(0, num_panels * row_groups, 1, [&](int64_t begin, int64_t end) {

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace pagecli {
@@ -14,6 +15,23 @@ namespace pagecli {
 constexpr int64_t kPackedPanelCols = 48;  // output columns per panel of the packed layouts (bf16, int8)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How both packed kernels share out a product: a work unit is (panel, group of row blocks), a thread's
+// units are consecutive. Up to 4 row blocks, or when the panels alone keep every thread busy, one group
+// (one reader per panel: the weights' memory stream dominates); otherwise enough groups for about 4
+// units per thread.
+struct RowGroups {
+  int64_t count;             // groups the row blocks split into
+  int64_t blocks_per_group;  // row blocks in each group but the last
+};
+
+inline RowGroups split_row_blocks(int64_t num_panels, int64_t row_blocks) {
+  const int64_t wanted_units = 4 * at::get_num_threads();
+  int64_t groups = 1;
+  if (row_blocks > 4 && num_panels < wanted_units) groups = std::min(row_blocks, ceil_div(wanted_units, num_panels));
+  const int64_t blocks_per_group = ceil_div(row_blocks, groups);
+  return {ceil_div(row_blocks, blocks_per_group), blocks_per_group};
+}
 
 // The panel layout both packed kernels stream: src [N, K] row-major -> dst [ceil(N / 48), ceil(K / 2), 48, 2]
 // with dst[p, j, c, h] = src[48 p + c, 2 j + h]. dst must come zeroed: padding past N or K stays zero.

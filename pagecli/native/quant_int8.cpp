@@ -132,13 +132,8 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
   const int8_t* wp = packed.data_ptr<int8_t>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_bytes = k_pairs * kPanelCols * 2, row_blocks = ceil_div(M, kTileRows);
-  // As the bf16 GEMM: a unit is (panel, group of row blocks); more groups only when the panels
-  // alone would leave threads idle.
-  int64_t groups = 1;
-  const int64_t wanted_units = 4 * at::get_num_threads();
-  if (row_blocks > 4 && num_panels < wanted_units) groups = std::min(row_blocks, ceil_div(wanted_units, num_panels));
-  const int64_t blocks_per_group = ceil_div(row_blocks, groups);
-  groups = ceil_div(row_blocks, blocks_per_group);
+  const RowGroups split = split_row_blocks(num_panels, row_blocks);  // shared out as the bf16 GEMM does
+  const int64_t groups = split.count, blocks_per_group = split.blocks_per_group;
   at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t panel = u / groups, group = u % groups;
