@@ -235,8 +235,7 @@ def _native() -> list[Finding]:
         return [Finding("native kernels", "state", f"off: {reason}", NOTE,
                         "unset it for the faster compiled CPU kernels")]
     folder = native.build_dir(level)
-    libraries = list(folder.glob("*.so")) if folder.is_dir() else []
-    if (folder / ".built").is_file() and libraries:  # native's stamp of a finished build
+    if native.is_built(level):
         return [Finding("native kernels", "state", f"built ({level}) in {folder}")]
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if compiler is None:

@@ -146,11 +146,24 @@ def _module_name(level_name: str) -> str:
     return f"pagecli_cpu_ops_{build_key(level_name)}"
 
 
+def is_built(level_name: str | None = None) -> bool:
+    """Whether a finished build of the level's kernels (default: the chosen level) is in the cache; nothing
+    is built or imported."""
+    name = level_name or level()
+    return _built_library(build_dir(name), name) is not None
+
+
+def _built_library(target: Path, level_name: str) -> Path | None:
+    """The library a finished build left in `target` (its stamp beside it), or None."""
+    library = target / f"{_module_name(level_name)}.so"
+    return library if (target / _BUILT_STAMP).is_file() and library.is_file() else None
+
+
 def _load_built(target: Path, level_name: str) -> ModuleType | None:
     """The library a finished build left in `target`, imported as cpp_extension.load would; None if none.
     Called under the build lock: a stamp there means no build is rewriting the library."""
-    library = target / f"{_module_name(level_name)}.so"
-    if not (target / _BUILT_STAMP).is_file() or not library.is_file():
+    library = _built_library(target, level_name)
+    if library is None:
         return None
     spec = importlib.util.spec_from_file_location(_module_name(level_name), library)
     if spec is None or spec.loader is None:
