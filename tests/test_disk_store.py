@@ -20,7 +20,7 @@ from engine_probes import recorded_logits
 from pagecli.models.loader import load_model
 from pagecli.store import maintenance
 from pagecli.store.files import INDEX_NAME
-from pagecli.store.index import StoreIndex
+from pagecli.store.index import StoreIndex, StoreLocked
 from pagecli.store.pruning import plan_prune
 
 BLOCK_SIZE = 4
@@ -391,3 +391,40 @@ def _assert_chains_start_at_their_heads(store: Path) -> None:
     stored = {r[0] for r in rows}
     assert rows
     assert all(depth == 0 or parent in stored for _, parent, depth in rows)
+
+
+class _LockedOnce(sqlite3.Connection):
+    """A connection that answers "database is locked" to the first WAL switch, as SQLite does at once
+    (without waiting its busy timeout) when two processes set up a new index together."""
+    refusals = 0
+
+    def execute(self, sql, *args):
+        if sql.startswith("PRAGMA journal_mode") and _LockedOnce.refusals == 0:
+            _LockedOnce.refusals += 1
+            raise sqlite3.OperationalError("database is locked")
+        return super().execute(sql, *args)
+
+
+def test_opening_an_index_another_process_is_setting_up_waits_instead_of_failing(store, monkeypatch):
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *args, **kwargs: connect(*args, factory=_LockedOnce, **kwargs))
+    index = StoreIndex.open(store, busy_timeout_s=5.0)
+    try:
+        assert _LockedOnce.refusals == 1
+        assert index.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert index.model_id("fp", "model") > 0
+    finally:
+        index.close()
+
+
+def test_an_index_locked_past_the_timeout_still_fails_as_locked(store, monkeypatch):
+    class AlwaysLocked(sqlite3.Connection):
+        def execute(self, sql, *args):
+            if sql.startswith("PRAGMA journal_mode"):
+                raise sqlite3.OperationalError("database is locked")
+            return super().execute(sql, *args)
+
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *args, **kwargs: connect(*args, factory=AlwaysLocked, **kwargs))
+    with pytest.raises(StoreLocked):
+        StoreIndex.open(store, busy_timeout_s=0.1)

@@ -145,15 +145,18 @@ class StoreIndex:
         try:
             with translate_errors(path):
                 conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")  # with WAL: a crash may lose recent rows, not consistency
                 index = cls(conn, path)
-                index._ensure_schema()
+                _retry_while_locked(index._set_up, time.monotonic() + busy_timeout_s)
             index.identity = _file_identity(path)
             return index
         except BaseException:
             conn.close()
             raise
+
+    def _set_up(self) -> None:
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        self.conn.execute("PRAGMA synchronous = NORMAL")  # with WAL: a crash may lose recent rows, not consistency
+        self._ensure_schema()
 
     def _ensure_schema(self) -> None:
         version = self._schema_version()
@@ -356,6 +359,24 @@ def translate_errors(path: Path) -> Iterator[None]:
     except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
         raise IndexCorrupt(f"{path}: {exc}") from exc
 
+
+
+def _retry_while_locked(step: Callable[[], None], deadline: float) -> None:
+    """Run step, again while another connection holds the lock, until the deadline.
+
+    SQLite waits out a held lock with the busy timeout, except where waiting could deadlock: two
+    connections that both read the file and then both need its write lock (switching a new index to
+    WAL, creating the schema). There it answers "database is locked" at once, so we wait here."""
+    pause = 0.005
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 @contextmanager
