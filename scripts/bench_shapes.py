@@ -1,7 +1,7 @@
 """pagecli against llama.cpp at realistic model sizes: llama-bench's figures and a batched one.
 
     .venv/bin/python scripts/bench_shapes.py --model DIR --llama-cpp BUILD_BIN [--ggufs F16,Q8_0,Q4_0]
-        [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8]
+        [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8,int4,gguf]
 
 DIR is a folder made by scripts/make_shape_models.py (random weights of a real shape), with its
 GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the

@@ -102,7 +102,8 @@ def test_slash_commands_do_what_they_say(tiny_llama):
 
     chat.handle_line("/help")
     assert [usage.split()[0] for usage, _ in view.help_rows] == [
-        "/help", "/system", "/reset", "/retry", "/undo", "/save", "/load", "/stats", "/pool", "/set", "/exit"]
+        "/help", "/system", "/reset", "/retry", "/undo", "/save", "/load", "/stats", "/pool", "/set", "/format",
+        "/exit"]
     chat.handle_line("/system Answer in one word.")
     assert chat.conversation.system == "Answer in one word."
     chat.handle_line("/set temperature=0 max_tokens=3 seed=7 top_p=0.9")

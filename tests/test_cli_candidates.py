@@ -56,8 +56,7 @@ def test_resume_keeps_whole_choices_records_and_reruns_the_cut_one(tiny_llama, t
     assert dst.read_text() == "".join(complete)
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", True), ("logprobs", 0), ("top_logprobs", 3), ("best_of", 2),
-                                          ("beam_width", 4)])
+@pytest.mark.parametrize("field, value", [("logprobs", True), ("logprobs", 0), ("top_logprobs", 3), ("best_of", 2)])
 def test_unsupported_fields_are_the_lines_error_never_dropped(tiny_llama, tmp_path, field, value):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"prompt": "fox", field: value}) + "\n" + json.dumps({"prompt": "fox"}) + "\n")

@@ -3,13 +3,19 @@ reaches EngineConfig or SamplingParams; and `--help` reads like a well-kept CLI.
 
 from __future__ import annotations
 
+import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import typer
 
 from pagecli.cli import app, help_style, main
-from pagecli.cli.options import ENGINE_FLAGS, SAMPLING_FLAGS
+from pagecli.cli.options import ENGINE_FLAGS, RAY_FLAGS, SAMPLING_FLAGS
+from pagecli.config.structured import StructuredSpec
+
+SCHEMA_FILE = Path(__file__).parent / "data" / "person.schema.json"
 
 # flag name -> (command-line words, the field's value they must produce)
 FLAG_CASES = {
@@ -37,9 +43,13 @@ FLAG_CASES = {
     "stop": (["--stop", "END", "--stop", "STOP"], ("END", "STOP")),
     "ignore_eos": (["--ignore-eos"], True),
     "n": (["--n", "3"], 3),
+    "beam_width": (["--beam-width", "3", "--temperature", "0"], 3),  # beam search is greedy: -t 0 with it
+    "length_penalty": (["--length-penalty", "0.5"], 0.5),
+    "json_schema": (["--json-schema", str(SCHEMA_FILE)],
+                    StructuredSpec.json_schema(json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))),
 }
 # Commands that show one completion per request take --n but refuse a value above 1 in one sentence.
-REFUSED = {("n", "chat"), ("n", "bench run")}
+REFUSED = {("n", "chat"), ("n", "bench run"), ("beam_width", "chat"), ("beam_width", "bench run")}
 
 
 class Captured(BaseException):
@@ -66,12 +76,14 @@ def commands(monkeypatch, tmp_path):
     monkeypatch.setattr(chat, "run_chat", _capture)
     monkeypatch.setattr(bench, "run_bench", _capture)
     monkeypatch.setattr(bench, "load_workload", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "run_perplexity", _capture)
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     return {
         "generate": ["generate", str(prompts), "-o", str(tmp_path / "out.jsonl")],
         "chat": ["chat"],
         "bench run": ["bench", "run", "mixed", "--count", "1"],
+        "bench perplexity": ["bench", "perplexity", str(prompts)],
     }
 
 
@@ -87,7 +99,7 @@ def test_every_shared_flag_has_a_case_here():
     assert {flag.name for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS)} == set(FLAG_CASES)
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench run"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench run", "bench perplexity"])
 @pytest.mark.parametrize("flag", [*ENGINE_FLAGS, *SAMPLING_FLAGS], ids=lambda flag: flag.name)
 def test_each_engine_command_carries_each_flag_into_the_settings(commands, command, flag):
     words, expected = FLAG_CASES[flag.name]
@@ -99,7 +111,7 @@ def test_each_engine_command_carries_each_flag_into_the_settings(commands, comma
     assert getattr(target, flag.field) == expected
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench run"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench run", "bench perplexity"])
 def test_an_unset_flag_leaves_the_profile_value(commands, command, tmp_path):
     profile = tmp_path / "p.toml"
     profile.write_text('[engine]\nblock_size = 32\nmax_num_seqs = 5\n[sampling]\nmax_tokens = 9\n')
@@ -116,6 +128,59 @@ def test_chat_takes_the_model_as_an_argument_or_an_option(commands):
     assert settings_of(["chat", "some/folder"]).model == "some/folder"
     assert settings_of(["chat", "-m", "other"]).model == "other"
     assert main(["chat", "a", "-m", "b"]) == 2
+
+
+# --- generate's Ray flags (pagecli/cluster) ---------------------------------------------------------
+
+# flag name -> (command-line words, the ClusterOptions field and the value they must produce)
+RAY_FLAG_CASES = {
+    "ray": (["--ray"], "address", None),
+    "ray_address": (["--ray", "--ray-address", "10.1.2.3:6379"], "address", "10.1.2.3:6379"),
+    "workers": (["--ray", "--workers", "3"], "workers", 3),
+    "threads_per_worker": (["--ray", "--threads-per-worker", "2"], "threads_per_worker", 2),
+}
+
+
+def test_every_ray_flag_has_a_case_here():
+    assert {flag.name for flag in RAY_FLAGS} == set(RAY_FLAG_CASES)
+
+
+@pytest.mark.parametrize("flag", RAY_FLAGS, ids=lambda flag: flag.name)
+def test_each_ray_flag_reaches_the_cluster_options(commands, monkeypatch, flag):
+    pytest.importorskip("ray")
+    import pagecli.cli.generate as generate
+
+    seen = {}
+
+    def capture(settings, *args, cluster=None, **kwargs):
+        seen["cluster"] = cluster
+        raise Captured(settings)
+
+    monkeypatch.setattr(generate, "run_generate", capture)
+    words, field, expected = RAY_FLAG_CASES[flag.name]
+    settings_of(commands["generate"] + words)
+    assert getattr(seen["cluster"], field) == expected
+    settings_of(commands["generate"])
+    assert seen["cluster"] is None, "without --ray the job runs in this process"
+
+
+@pytest.mark.parametrize("words, message", [
+    (["--workers", "2"], "--workers only applies with --ray"),
+    (["--ray-address", "auto", "--threads-per-worker", "1"], "--ray-address, --threads-per-worker only applies"),
+    (["--ray", "--workers", "0"], "--workers must be at least 1 (got 0)"),
+])
+def test_a_ray_flag_mistake_is_one_sentence(commands, capsys, words, message):
+    assert main(commands["generate"] + words) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_ray_without_ray_installed_says_how_to_install_it(commands, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` then raises ImportError
+    assert main(commands["generate"] + ["--ray"]) != 0
+    err = capsys.readouterr().err
+    assert "pip install 'pagecli[ray]'" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 # --- help -------------------------------------------------------------------------------------------

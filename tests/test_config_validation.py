@@ -99,6 +99,8 @@ BROKEN_PROFILES = {  # id: (profile text, fragments of the message besides the f
     "infinite budget": ("[engine]\nkv_budget_gib = inf\n", ["kv_budget_gib must be a finite number"]),
     "nan temperature": ("[sampling]\ntemperature = nan\n", ["temperature must be a finite number"]),
     "a table for a number": ("[engine.num_blocks]\nx = 1\n", ["engine.num_blocks", "must be an integer"]),
+    "a number for a schema file": ("[sampling]\nstructured = 3\n", ["sampling.structured", "JSON schema file"]),
+    "a schema file that is missing": ('[sampling]\nstructured = "none.json"\n', ["none.json", "does not exist"]),
 }
 
 
@@ -110,6 +112,16 @@ def test_a_malformed_profile_names_the_file_and_the_field(case, tmp_path, capsys
     code = main(["cache", "ls", "--profile", str(profile)])
     line = _one_error_line(capsys.readouterr().err)
     assert code == 2 and str(profile) in line and all(fragment in line for fragment in fragments), line
+
+
+def test_a_profile_names_a_schema_file_beside_it(tmp_path):
+    from pagecli.config.profiles import load_profile
+
+    (tmp_path / "person.json").write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}}}))
+    profile = tmp_path / "mine.toml"
+    profile.write_text('[sampling]\nstructured = "person.json"\n')
+    spec = load_profile(str(profile)).sampling_params().structured
+    assert spec.kind == "json_schema" and json.loads(spec.value)["properties"] == {"name": {"type": "string"}}
 
 
 @pytest.mark.parametrize(("name", "fragment"), [

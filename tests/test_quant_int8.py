@@ -140,8 +140,8 @@ def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
 
 
 def test_quantize_is_checked_and_cpu_only():
-    with pytest.raises(PagecliError, match="quantize must be one of none, int8"):
-        EngineConfig(quantize="int4")
+    with pytest.raises(PagecliError, match="quantize must be one of none, int8, int4"):
+        EngineConfig(quantize="int3")
     from pagecli.models.quantize import check_quantize_device
 
     with pytest.raises(PagecliError, match="CPU only"):

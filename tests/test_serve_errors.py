@@ -67,9 +67,9 @@ def test_bad_fields_are_a_400_naming_the_field(server, http, fields, says):
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("response_format", {"type": "json_object"}), ("logprobs", True),
-                                          ("presence_penalty", 0.5)])
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
+                                          ("logit_bias", {"5": 1.0}), ("logprobs", True),
+                                          ("presence_penalty", 0.5), ("beam_width", 4)])
 def test_a_field_the_server_cannot_honour_is_refused_not_ignored(server, http, field, value):
     error = error_of(http.post("/v1/chat/completions", json=chat_body(server, **{field: value})), 400)
     assert error["code"] == "unsupported_parameter" and f"'{field}'" in error["message"]

@@ -7,9 +7,10 @@ command does is in `pagecli.chat.slash_commands`.
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from pagecli.config.settings import SamplingParams
+from pagecli.config.structured import StructuredSpec
 from pagecli.errors import PagecliError
 
 # name -> (usage, what it does); the order is the order of /help.
@@ -25,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pool": ("/pool", "show or hide the block-pool panel"),
     "set": ("/set key=value ...", "sampling: temperature, top_p, top_k, min_p, max_tokens, seed, "
             "repetition_penalty (no argument: show them)"),
+    "format": ("/format [json | SCHEMA_FILE | off]", "replies as any JSON object, as the JSON schema in a file "
+               "says, or free text again (no argument: show)"),
     "exit": ("/exit", "leave (also /quit, Ctrl-D)"),
 }
 _ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help"}
@@ -59,7 +62,7 @@ def unknown_command_hint(name: str) -> str:
 
 def apply_settings(sampling: SamplingParams, argument: str) -> SamplingParams:
     """`/set temperature=0.2 max_tokens=64`: new sampling params, or PagecliError naming the bad part."""
-    values = asdict(sampling)
+    values = {f.name: getattr(sampling, f.name) for f in fields(sampling)}  # shallow: a /format spec stays
     pairs = argument.replace(",", " ").split()
     if not pairs:
         raise PagecliError("Usage: /set key=value, for example /set temperature=0.2.")
@@ -87,3 +90,12 @@ def _parse_value(key: str, raw: str) -> int | float | None:
 
 def describe_sampling(sampling: SamplingParams) -> str:
     return ", ".join(f"{key}={getattr(sampling, key)}" for key in SETTABLE)
+
+
+def describe_format(spec: StructuredSpec | None) -> str:
+    """What /format shows: how replies are constrained."""
+    if spec is None:
+        return "Replies are free text (/format json or /format SCHEMA_FILE constrains them)."
+    if spec.kind == "json_object":
+        return "Replies are JSON objects (/format off for free text)."
+    return f"Replies follow a {spec.kind.replace('_', ' ')} (/format off for free text)."

@@ -6,10 +6,12 @@ a PagecliError it raises becomes one problem line and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagecli.chat import session as sessions
-from pagecli.chat.commands import COMMANDS, apply_settings, describe_sampling
+from pagecli.chat.commands import COMMANDS, apply_settings, describe_format, describe_sampling
+from pagecli.config.structured import StructuredSpec, spec_from_schema_file
 from pagecli.errors import PagecliError
 
 if TYPE_CHECKING:
@@ -101,6 +103,19 @@ def set_sampling(chat: ChatController, argument: str) -> None:
     chat.view.notice(f"Sampling: {describe_sampling(chat.sampling)}.")
 
 
+def output_format(chat: ChatController, argument: str) -> None:
+    """`/format json | SCHEMA_FILE | off`: constrained decoding for the next replies. A schema the engine cannot
+    enforce is refused now, not at the next message."""
+    if argument:
+        word = argument.lower()
+        spec = None if word == "off" else StructuredSpec.json_object() if word == "json" else \
+            spec_from_schema_file(argument)
+        if spec is not None:
+            chat.engine.check_structured(spec)
+        chat.sampling = replace(chat.sampling, structured=spec)
+    chat.view.notice(describe_format(chat.sampling.structured))
+
+
 def _preview(text: str) -> str:
     line = " ".join(text.split())
     return f"'{line}'" if len(line) <= _PREVIEW_CHARS else f"'{line[:_PREVIEW_CHARS - 3]}...'"
@@ -108,5 +123,5 @@ def _preview(text: str) -> str:
 
 HANDLERS: dict[str, Callable[[ChatController, str], None]] = {
     "help": show_help, "system": system, "reset": reset, "retry": retry, "undo": undo, "save": save, "load": load,
-    "stats": stats, "pool": pool, "set": set_sampling,
+    "stats": stats, "pool": pool, "set": set_sampling, "format": output_format,
 }

@@ -52,6 +52,7 @@ def root(
 
 @app.command()
 @o.engine_flags
+@o.ray_flags
 def generate(
     input: Annotated[str, typer.Argument(
         metavar="INPUT", show_default=False,
@@ -60,6 +61,7 @@ def generate(
         "--output", "-o", metavar="OUTPUT", help="JSONL results, one per input line, in input order; re-running "
                                                  "resumes; '-' writes stdout.")],
     flags: o.RunFlags,
+    ray: o.RayFlags,
     format: Annotated[str, typer.Option("--format", metavar="FORMAT", help="auto|jsonl|text.")] = "auto",
     progress: Annotated[Optional[bool], typer.Option(
         "--progress/--no-progress", help="Progress bar (default: on a terminal).", show_default=False)] = None,
@@ -71,9 +73,24 @@ def generate(
         raise PagecliError(f"--format must be auto, jsonl or text (got '{format}').")
     from pagecli.cli.generate import run_generate
 
-    code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors)
+    cluster = _cluster_options(ray)
+    code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors,
+                        cluster=cluster)
     if code:
         raise typer.Exit(code)
+
+
+def _cluster_options(ray: o.RayFlags) -> object:
+    """generate's Ray options (pagecli.cluster.launch.ClusterOptions), or None without --ray."""
+    fields = ray.cluster_fields()
+    if fields is None:
+        return None
+    from pagecli.cluster import require_ray
+
+    require_ray()
+    from pagecli.cluster.launch import ClusterOptions
+
+    return ClusterOptions(**fields)
 
 
 @app.command()

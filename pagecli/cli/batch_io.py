@@ -1,6 +1,6 @@
 """Batch input for `pagecli generate` (and `bench run FILE`): the input's lines, made into requests.
 
-Input: JSONL (`prompt` or `messages`, optional `id` and sampling fields), OpenAI batch-request
+Input: JSONL (`prompt` or `messages`, optional `id`, sampling fields and `response_format`), OpenAI batch-request
 lines (`custom_id`, `method`, `url`, `body.messages`, `body.max_completion_tokens`, ...), or plain
 text with one prompt per line. Lines end at `\\n` only (a `\\r` before it is dropped), so U+2028,
 U+0085 or a form feed inside a prompt never splits it; a leading UTF-8 BOM is dropped. Blank lines
@@ -13,22 +13,28 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
 from pagecli.config import SamplingParams
+from pagecli.config.structured import spec_from_response_format
 from pagecli.errors import PagecliError, RequestError, request_failure
-from pagecli.models.messages import read_messages
+from pagecli.cli.line_tools import tools_of_line
+from pagecli.models.messages import Conversation, read_messages
+from pagecli.models.tools import ToolRequest
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 _OPENAI_KEY_ALIASES = {"max_completion_tokens": "max_tokens"}
-_NUMERIC_KEYS = {"max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
+BEAM_KEYS = ("beam_width", "length_penalty", "early_stopping")  # generate only (engine/beam.py)
+_NUMERIC_KEYS = {"beam_width": int, "length_penalty": float,
+                 "max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
                  "repetition_penalty": float, "n": int}
 # Fields pagecli does not implement, with the values that ask for nothing: any other value is the
 # line's error, never silently dropped (an answer without the logprobs asked for looks like a bug).
 _UNSUPPORTED_KEYS = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
-                     "beam_width": (None, 1)}
+                     "functions": (None, [])}  # OpenAI's old name for `tools`
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 _BOM = b"\xef\xbb\xbf"
 
@@ -37,8 +43,9 @@ _BOM = b"\xef\xbb\xbf"
 class BatchRequest:
     line: int  # 1-based line number in the input
     request_id: str
-    prompt: str | list[dict[str, Any]]  # chat messages are already flattened by read_messages
+    prompt: str | list[dict[str, Any]] | Conversation  # chat messages are already flattened by read_messages
     sampling: dict[str, Any] = field(default_factory=dict)
+    tools: ToolRequest | None = None  # the line's tools and tool_choice (line_tools.py)
 
 
 @dataclass(frozen=True)
@@ -113,16 +120,17 @@ def parse_json_line(raw: str, number: int) -> BatchRequest | BadLine:
         request_id = _request_id(obj, request_id)
         body = _request_body(obj)
         refuse_unsupported_fields(body)
-        prompt = _prompt_of(body)
+        prompt, tools, tool_sampling = tools_of_line(body, _prompt_of(body))
     except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
         message = request_failure(exc)
         if message is None:
             raise
         return BadLine(number, request_id, f"line {number}: {message}")
-    sampling = sampling_fields(body)
+    sampling = {**sampling_fields(body), **tool_sampling}
     if body.get("n") is not None:
         sampling["n"] = body["n"]  # candidates: a line's record then holds `choices`
-    return BatchRequest(number, request_id, prompt, sampling)
+    sampling.update({key: body[key] for key in BEAM_KEYS if body.get(key) is not None})  # beams: `choices` too
+    return BatchRequest(number, request_id, prompt, sampling, tools)
 
 
 def refuse_unsupported_fields(body: dict[str, Any]) -> None:
@@ -141,14 +149,18 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     for alias, name in _OPENAI_KEY_ALIASES.items():
         if body.get(alias) is not None:
             fields[name] = body[alias]
+    if body.get("response_format") is not None:
+        fields["response_format"] = body["response_format"]  # read by sampling_with: its errors are the line's
     return fields
 
 
-def sampling_with(base: SamplingParams, fields: dict[str, Any]) -> SamplingParams:
+def sampling_with(base: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
     """`base` with a request's sampling fields on top, each checked for its type and range; a bad one
     raises RequestError naming the field. `generate` and the server both read sampling fields here."""
-    values = asdict(base)
-    for key, value in fields.items():
+    values = {f.name: getattr(base, f.name) for f in dataclass_fields(base)}  # shallow: structured stays a spec
+    for key, value in overrides.items():
+        if key == "response_format":  # OpenAI's name for a JSON schema or object constraint
+            key, value = "structured", spec_from_response_format(value)
         kind = _NUMERIC_KEYS.get(key)
         if kind is not None:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)

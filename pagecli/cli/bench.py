@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -58,10 +58,17 @@ def memory(
         "--budget", help="KV memory to fill, e.g. 8GiB or 500MB: how many requests fit under each scheme.")] = None,
     shared_prefix: Annotated[int, typer.Option(
         "--shared-prefix", help="Tokens at the start of every request that are the same (a system prompt).")] = 0,
+    forks: Annotated[Optional[int], typer.Option(
+        "--forks", help="Also run the model (--model, else the embedded one) with every length as a prompt: "
+                        "parallel sampling (n=N) and beam search (N beams), and measure KV blocks with block "
+                        "sharing against per-candidate copies.", metavar="N")] = None,
+    fork_tokens: Annotated[int, typer.Option(
+        "--fork-tokens", help="New tokens per candidate or beam with --forks.", metavar="T")] = 64,
     json_path: JsonOpt = None,
 ) -> None:
     """What paging saves over contiguous reservation, from request lengths alone (no model run)."""
     from pagecli.bench.json_output import memory_document, write_json
+    from pagecli.bench.sharing import sharing_document
     from pagecli.bench.lengths import parse_lengths
     from pagecli.bench.memory import memory_report
     from pagecli.bench.units import parse_size
@@ -83,8 +90,34 @@ def memory(
         kv_bytes_per_token, parse_size(budget) if budget else None,
     )
     print_view(memory_view(report, model_kv), _console(json_path))
+    document = {**memory_document(report, model_kv), "forks": []}
+    if forks is not None:
+        figures = _measure_forks(model, report.lengths, forks, fork_tokens, _block_sizes(block_size)[0],
+                                 _console(json_path))
+        document["forks"] = [sharing_document(f) for f in figures]
     if json_path:
-        write_json(memory_document(report, model_kv), json_path)
+        write_json(document, json_path)
+
+
+def _measure_forks(model: str | None, lengths: tuple[int, ...], width: int, tokens: int, block_size: int,
+                   console: Console) -> list[Any]:
+    """The --forks scenarios, run on the model with the first block size."""
+    from pagecli.bench.sharing import SCENARIOS, measure_sharing, sharing_prompts
+    from pagecli.config import EngineConfig, SamplingParams
+    from pagecli.engine import Engine
+    from pagecli.ui.report import print_view
+    from pagecli.ui.sharing_view import sharing_view
+
+    if not 2 <= width <= 256 or tokens < 1:
+        raise PagecliError(f"--forks must be from 2 to 256 and --fork-tokens at least 1 (got {width}, {tokens}).")
+    config = EngineConfig(block_size=block_size, disk_cache=False, enable_prefix_caching=False,
+                          max_num_seqs=max(64, width * len(lengths)))
+    engine = Engine(None if model in (None, "default") else model, config)
+    prompts = sharing_prompts(engine, lengths, tokens)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))  # warm-up
+    figures = [measure_sharing(engine, prompts, scenario, width, tokens) for scenario in SCENARIOS]
+    print_view(sharing_view(figures, block_size), console)
+    return figures
 
 
 def _check_memory_flags(dtype: str, max_len: int | None) -> None:
@@ -299,3 +332,41 @@ def _compare_hf(engine: Engine, workload: Workload, trace: RunTrace, batch_size:
     say(f"Running the same {len(job.requests)} requests through transformers generate ...", style="dim")
     hf = run_in_subprocess(job)
     return comparison({out.request_id: out.output_token_ids for out in trace.outcomes}, hf)
+
+
+# --- bench perplexity -------------------------------------------------------------------------
+
+
+@bench_app.command("perplexity")
+@o.engine_flags
+def perplexity(
+    flags: o.RunFlags,
+    text_file: Annotated[str, typer.Argument(help="A UTF-8 text file to score (tests/data/declaration.txt is one).",
+                                             metavar="FILE")],
+    ctx: Annotated[int, typer.Option("--ctx", help="Tokens per window; the second half of each is scored "
+                                                   "(as llama-perplexity's -c).")] = 512,
+) -> None:
+    """Perplexity over a text file in windows of --ctx tokens, as llama.cpp's llama-perplexity computes it,
+    to weigh a quantization (--quantize) against bf16. Lower is better."""
+    from pathlib import Path
+
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise PagecliError(f"Cannot read '{text_file}' as UTF-8 text ({error}).") from error
+    run_perplexity(flags.settings(), text, ctx)
+
+
+def run_perplexity(settings: o.RunSettings, text: str, ctx: int) -> None:
+    """Load the engine as the flags say, score `text`, print a progress line a window and the figure."""
+    from pagecli.bench.perplexity import perplexity as compute
+    from pagecli.engine import Engine
+    from pagecli.ui.progress import say
+
+    with Engine(settings.model, settings.engine, progress=lambda message: say(message, style="dim")) as engine:
+        def show(done: int, total: int, running: float) -> None:
+            typer.echo(f"[{done}/{total}] {running:.4f}", err=True)
+
+        result = compute(engine, text, ctx, show)
+    typer.echo(f"perplexity {result.ppl:.4f}  ({engine.model_name}, quantize {settings.engine.quantize}, "
+               f"{result.windows} windows of {result.ctx} tokens, {result.tokens_scored} tokens scored)")

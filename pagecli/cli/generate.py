@@ -13,6 +13,7 @@ from typing import Any
 from pagecli.chat.turn import StopFlag
 from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests, sampling_with
 from pagecli.cli.line_results import LineResults
+from pagecli.cli.line_tools import record_fields
 from pagecli.cli.options import RunSettings
 from pagecli.cli.results_file import plan_resume, scan_output
 from pagecli.cli.results_writer import ResultWriter, open_results
@@ -29,9 +30,10 @@ def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) ->
 
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
-                 progress: bool | None, retry_errors: bool = False) -> int:
+                 progress: bool | None, retry_errors: bool = False, cluster: Any = None) -> int:
     """Runs every input line without a result in the output (with `retry_errors`, also those whose result
-    is an error); the exit code: 0, 1 when every line run failed, 130 when interrupted."""
+    is an error); the exit code: 0, 1 when every line run failed, 130 when interrupted. With `cluster`
+    (pagecli.cluster.launch.ClusterOptions) the lines run on Ray workers; reading and writing are the same."""
     items = read_requests(input_path, fmt)
     lines = [it.line for it in items]
     # Checked before the lock is taken, so a finished output in a read-only folder needs no lock file.
@@ -47,6 +49,10 @@ def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: 
             return 0
         if writer.plan.kept:
             say(f"Resuming: {writer.plan.kept} of {len(items)} requests already done in '{output_path}'.")
+        if cluster is not None:
+            from pagecli.cluster.driver import run_on_cluster
+
+            return run_on_cluster(settings, todo, writer, progress, cluster)
         return _generate(settings, todo, writer, progress)
 
 
@@ -71,16 +77,18 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
             say(f"Warning: {warning}", style="yellow")
 
 
-def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: ResultWriter,
-            results: LineResults) -> bool:
-    """Queues one line; a line that cannot run gets its error record at once. True when queued."""
+def submit_line(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: Any,
+                results: LineResults) -> bool:
+    """Queues one line; a line that cannot run gets its error record at once (`writer.save`). True when
+    queued. Ray workers queue their lines here too (pagecli/cluster/worker.py)."""
     if isinstance(item, BadLine):
         writer.save({"id": item.request_id, "line": item.line, "error": item.error})
         return False
     try:
         sampling = line_sampling(settings.sampling, item.sampling, item.line)
         engine.add_request(item.prompt, sampling, str(item.line))
-        results.expect(item.line, item.request_id, sampling.n)
+        results.expect(item.line, item.request_id, sampling.n,
+                       record_fields(item.tools, getattr(engine, "chat_template", None)))
     except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
         message = request_failure(exc)
         if message is None:
@@ -94,7 +102,7 @@ def _submit(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, wr
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
            progress: bool | None) -> int:
     results = LineResults()
-    errors = sum(not _submit(engine, settings, it, writer, results) for it in todo)
+    errors = sum(not submit_line(engine, settings, it, writer, results) for it in todo)
     start = time.perf_counter()
     tokens = 0
     # Ctrl-C only sets the flag, checked between results, so the count below is what the files hold;

@@ -23,10 +23,27 @@ def models(
         folder = source.prepare_default_model(progress=lambda msg: say(msg, style="dim"))
         typer.echo(f"Default model ready: {folder}")
         return
+    from pagecli.models import gguf_blocks
+
     state = "ready" if source.is_default_model_prepared() else "not converted yet (first run converts it)"
     typer.echo(f"default      {source.DEFAULT_MODEL_NAME} (embedded): {state}")
+    typer.echo(f"             weights: {_weights_path(source.default_model_gguf())}")
     root = models_dir()
     for folder in sorted(p for p in root.glob("*") if p.is_dir() and (p / "config.json").is_file()):
         size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
         typer.echo(f"converted    {folder.name}  {size_mb:,.0f} MB  {folder}")
+        gguf = gguf_blocks.gguf_source(folder)
+        if gguf is not None:
+            typer.echo(f"             weights: {_weights_path(gguf)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
+
+
+def _weights_path(gguf_path) -> str:
+    """Which path a GGUF file's decoder weights take: float conversion (default) or as they are."""
+    from pagecli.errors import ModelError
+    from pagecli.models import gguf_blocks
+
+    try:
+        return f"dequantized to float by default; {gguf_blocks.describe_path(gguf_path)}"
+    except (ModelError, OSError) as error:
+        return f"unreadable ({error})"

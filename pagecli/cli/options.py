@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pagecli.config import EngineConfig, Profile, SamplingParams, load_profile
+from pagecli.config.structured import spec_from_schema_file
 from pagecli.errors import PagecliError
 
 ENGINE = "Engine"
@@ -79,8 +80,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("disk_cache", "disk_cache", Optional[bool], _opt(
         "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).")),
     Flag("quantize", "quantize", Optional[str], _opt(
-        "--quantize", help="none|int8: int8 stores the decoder layers' weights as int8 with one scale per output "
-                           "channel, quantized at load (CPU; about half the bytes read per token).",
+        "--quantize", help="none|int8|int4|gguf: int8 stores the decoder layers' weights as int8 with one scale "
+                           "per output channel (about half the bytes read per token); int4 in 4 bits, in groups of "
+                           "32 with a scale and a minimum each (about a third); quantized at load. gguf: a .gguf "
+                           "model's own Q4_0/Q4_1 blocks as they are (Q8_0 requantized to int8). CPU only.",
         metavar="KIND")),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
@@ -108,7 +111,80 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
         "--n", help="Candidates per request (parallel sampling): the prompt is prefilled once and its blocks "
                     "shared; with --seed S, candidate i samples with seed S+i. generate only.",
         panel=SAMPLING, metavar="N")),
+    Flag("beam_width", "beam_width", Optional[int], _opt(
+        "--beam-width", help="Beam search with K beams on shared blocks (needs --temperature 0); each record has "
+                             "the --n best beams (default 1) in `choices`, best first, with scores. generate only.",
+        panel=SAMPLING, metavar="K")),
+    Flag("length_penalty", "length_penalty", Optional[float], _opt(
+        "--length-penalty", help="Beam search: a beam scores sum_logprobs / length ** X (default 1; > 0 favours "
+                                 "longer beams).", panel=SAMPLING, metavar="X")),
+    Flag("json_schema", "structured", Optional[str], _opt(
+        "--json-schema", help="Constrain every output to the JSON schema in FILE (or an OpenAI response_format "
+                              "object); a request's own response_format wins.", panel=SAMPLING, metavar="FILE"),
+        when_given=lambda path: spec_from_schema_file(path)),
 )
+
+RAY = "Ray cluster"
+
+# `generate` only: they set pagecli.cluster.launch.ClusterOptions fields (`field`), not engine settings.
+RAY_FLAGS: tuple[Flag, ...] = (
+    Flag("ray", "enabled", bool, _opt(
+        "--ray", help="Run the lines on Ray workers, one engine each (needs pip install 'pagecli\\[ray]'; see "
+                      "docs/RAY.md).", panel=RAY), value=False),
+    Flag("ray_address", "address", Optional[str], _opt(
+        "--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance on this machine).",
+        panel=RAY, metavar="ADDRESS")),
+    Flag("workers", "workers", Optional[int], _opt(
+        "--workers", help="Engine workers (default: one per GPU, else the cluster's CPUs / threads per worker).",
+        panel=RAY, metavar="N")),
+    Flag("threads_per_worker", "threads_per_worker", Optional[int], _opt(
+        "--threads-per-worker", help="CPU threads of each worker's engine (default: --threads, else 1).",
+        panel=RAY, metavar="T")),
+)
+
+
+@dataclass(frozen=True)
+class RayFlags:
+    values: dict[str, Any]  # Flag.name -> the value as parsed
+
+    def cluster_fields(self) -> dict[str, Any] | None:
+        """The ClusterOptions fields given, or None without --ray; a Ray flag without --ray, or a count below
+        1, is one sentence."""
+        given = {flag: flag.setting(self.values.get(flag.name, flag.value)) for flag in RAY_FLAGS[1:]}
+        given = {flag: value for flag, value in given.items() if value is not None}
+        if not self.values.get("ray"):
+            if given:
+                names = ", ".join(_option_name(flag) for flag in given)
+                raise PagecliError(f"{names} only applies with --ray; add --ray or drop it.")
+            return None
+        for flag, value in given.items():
+            if isinstance(value, int) and value < 1:
+                raise PagecliError(f"{_option_name(flag)} must be at least 1 (got {value}).")
+        return {flag.field: value for flag, value in given.items()}
+
+
+def _option_name(flag: Flag) -> str:
+    return "--" + flag.name.replace("_", "-")
+
+
+def ray_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command` the RAY_FLAGS; it declares a parameter `ray: RayFlags`, which receives them. Goes
+    below `@engine_flags`."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "ray"]
+    names = {flag.name for flag in RAY_FLAGS}
+
+    @functools.wraps(command)
+    def wrapper(**given: Any) -> Any:
+        values = {name: given.pop(name) for name in list(given) if name in names}
+        return command(ray=RayFlags(values), **given)
+
+    parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind == p.POSITIONAL_OR_KEYWORD else p
+                  for p in own] + [flag.parameter() for flag in RAY_FLAGS]
+    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__
+    return wrapper
+
 
 MODEL_FLAGS: tuple[inspect.Parameter, ...] = (
     inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
@@ -151,6 +227,9 @@ def refuse_candidates(settings: RunSettings, command: str) -> None:
     if settings.sampling.n > 1:
         raise PagecliError(f"`pagecli {command}` shows one completion per request; n {settings.sampling.n} "
                            "(parallel sampling) is for `pagecli generate`. Drop --n or set n = 1 in the profile.")
+    if settings.sampling.beam_search:
+        raise PagecliError(f"`pagecli {command}` does not run beam search; beam_width {settings.sampling.beam_width} "
+                           "is for `pagecli generate`. Drop --beam-width or set beam_width = 1 in the profile.")
 
 
 def _given(flags: tuple[Flag, ...], values: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,10 @@ GraceOpt = Annotated[float, typer.Option(
 ScreenOpt = Annotated[Optional[bool], typer.Option(
     "--screen/--no-screen", show_default=False,
     help="Live pool panel and request table (default: when stdout is a terminal; else one log line a request).")]
+ReasoningOpt = Annotated[str, typer.Option(
+    "--reasoning-format", metavar="none|separate",
+    help="separate: a reply's <think>...</think> comes back as reasoning_content; none: left in content.")]
+REASONING_FORMATS = ("none", "separate")
 
 
 @app.command()
@@ -32,6 +36,7 @@ def serve(
     model_arg: ModelArg = None, flags: o.RunFlags = None,  # type: ignore[assignment] - filled by engine_flags
     host: HostOpt = "127.0.0.1", port: PortOpt = 8000, api_key: ApiKeyOpt = None,
     max_pending: MaxPendingOpt = 256, grace: GraceOpt = 30.0, screen: ScreenOpt = None,
+    reasoning_format: ReasoningOpt = "separate",
 ) -> None:
     """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     from pagecli.serve.server import ServeOptions, run_server
@@ -44,11 +49,19 @@ def serve(
         raise PagecliError(f"--max-pending must be at least 1 (got {max_pending}).")
     if grace < 0:
         raise PagecliError(f"--grace must be 0 or more seconds (got {grace:g}).")
+    if reasoning_format not in REASONING_FORMATS:
+        raise PagecliError(f"--reasoning-format must be none or separate (got '{reasoning_format}').")
     settings = flags.settings(model=model_arg)
     if getattr(settings.sampling, "n", 1) > 1:
         raise PagecliError(f"`pagecli serve` takes n per request (the request's 'n' field), not n "
                            f"{settings.sampling.n} for all; drop --n or set n = 1 in the profile.")
-    options = ServeOptions(host, port, api_key or None, max_pending, grace, screen)
+    if settings.sampling.beam_search:
+        raise PagecliError("`pagecli serve` does not run beam search; drop --beam-width or set beam_width = 1 "
+                           "in the profile.")
+    if settings.sampling.structured is not None:
+        raise PagecliError("`pagecli serve` takes a JSON schema per request (its 'response_format'), not "
+                           "--json-schema for all; drop --json-schema.")
+    options = ServeOptions(host, port, api_key or None, max_pending, grace, screen, reasoning_format)
     code = run_server(settings, options)
     if code:
         raise typer.Exit(code)

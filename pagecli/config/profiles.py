@@ -20,6 +20,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from pagecli.config.settings import EngineConfig, SamplingParams, field_names
+from pagecli.config.structured import StructuredSpec, spec_from_schema_file
 from pagecli.errors import PagecliError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -137,8 +138,24 @@ def _check_table(table: Any, cls: type, section: str, path: Path) -> dict[str, A
             raise PagecliError(
                 f"Unknown key '{section}.{key}' in profile '{path}'; allowed: {', '.join(allowed)}."
             )
+        if cls is SamplingParams and key == "structured":
+            checked[key] = _schema_file(value, path)
+            continue
         checked[key] = _coerce(value, hints[key], f"{section}.{key}", path)
     return checked
+
+
+def _schema_file(value: Any, path: Path) -> StructuredSpec:
+    """`sampling.structured = "FILE"`: the JSON schema in FILE (relative to the profile's folder), as
+    `--json-schema FILE` reads it."""
+    if not isinstance(value, str) or not value:
+        raise PagecliError(f"Key 'sampling.structured' in profile '{path}' must be the path of a JSON schema file "
+                           f"(got {value!r}).")
+    file = Path(value).expanduser()
+    try:
+        return spec_from_schema_file(str(file if file.is_absolute() else path.parent / file))
+    except PagecliError as exc:
+        raise PagecliError(f"Profile '{path}': {exc}") from None
 
 
 def _coerce(value: Any, hint: Any, key: str, path: Path) -> Any:

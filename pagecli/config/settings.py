@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from pagecli.config.structured import StructuredSpec
 from pagecli.errors import PagecliError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-QUANTIZE_CHOICES = ("none", "int8")  # weights: as loaded, or int8 per output channel (CPU)
+QUANTIZE_CHOICES = ("none", "int8", "int4", "gguf")  # as loaded, int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
@@ -56,7 +57,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # default: PAGECLI_CACHE_DIR, else the user cache dir's prefix/
     disk_cache_max_gib: float = 2.0  # store size cap: least recently used chain tails are pruned past it
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
-    quantize: str = "none"  # decoder-layer weights quantized at load: none | int8 (CPU only)
+    quantize: str = "none"  # decoder-layer weights quantized at load: none | int8 | int4 | gguf (CPU only)
 
     def __post_init__(self) -> None:
         _require_finite_numbers(self)
@@ -101,6 +102,15 @@ class SamplingParams:
     # Candidates for the one prompt (parallel sampling): prefilled once, its blocks shared. With a seed,
     # candidate i samples as a lone request with seed + i would (candidate_seed).
     n: int = 1
+    # Beam search (engine/beam.py), as transformers defines it: beam_width beams share their blocks; the n best
+    # finished beams are returned, best first, scored sum_logprobs / generated_len ** length_penalty.
+    # early_stopping: True (stop once beam_width beams finished), False (stop when no running beam can
+    # still beat the worst finished one at its current length) or "never" (the canonical bound).
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    # Constrained decoding (engine/structured.py): the output follows this JSON schema, regex, choice or grammar.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,10 +130,39 @@ class SamplingParams:
         _require(1 <= self.n <= MAX_CANDIDATES, f"n must be between 1 and {MAX_CANDIDATES} (got {self.n}).")
         _require(self.seed is None or self.seed + self.n - 1 < (1 << 64),
                  f"seed + n - 1 must fit in 64 bits: candidate i samples with seed + i (got seed {self.seed}).")
+        self._check_beam_search()
+        _require(self.structured is None or isinstance(self.structured, StructuredSpec),
+                 "structured must be a StructuredSpec (pagecli.config.structured).")
+        _require(self.structured is None or self.beam_width == 1,
+                 "structured output (response_format) is not supported with beam search; use beam_width 1.")
+
+    def _check_beam_search(self) -> None:
+        _require(1 <= self.beam_width <= MAX_CANDIDATES,
+                 f"beam_width must be between 1 and {MAX_CANDIDATES} (got {self.beam_width}).")
+        _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+                 f"early_stopping must be true, false or \"never\" (got {self.early_stopping!r}).")
+        if self.beam_width == 1:
+            return
+        _require(self.greedy, f"beam search (beam_width {self.beam_width}) keeps the most likely beams and does not "
+                              f"sample: set temperature 0 (got {self.temperature}).")
+        _require(self.n <= self.beam_width, f"n {self.n} is more than beam_width {self.beam_width}: beam search "
+                                            "returns at most its beam_width best beams.")
+        _require(not self.stop, "stop strings are not supported with beam search; leave 'stop' out "
+                                "(beams end at the model's end-of-sequence tokens or at max_tokens).")
+        _require(self.repetition_penalty == 1.0, "repetition_penalty is not supported with beam search; leave it at 1.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once after its prompt: its beams, or its n candidates."""
+        return self.beam_width if self.beam_search else self.n
 
     def candidate_seed(self, index: int) -> int | None:
         """The seed candidate `index` of an n > 1 request samples with: seed + index (None: unseeded)."""

@@ -23,17 +23,21 @@ import torch
 
 from pagecli.attention import select_backend
 from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
+from pagecli.config.structured import StructuredSpec
+from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
 from pagecli.engine.hashing import root_hash
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
 from pagecli.engine.pool_sizing import pool_num_blocks
-from pagecli.engine.sampler import make_generator, sample
+from pagecli.engine.sampler import make_generator, sample, skip_draw
 from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
 from pagecli.engine.stats import EngineStats
-from pagecli.models.messages import developer_as_system, read_messages
+from pagecli.engine.structured import GrammarCompiler
+from pagecli.models.messages import Conversation, developer_as_system, read_messages
+from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.models.fingerprint import model_fingerprint
 from pagecli.models.loader import LoadedModel, load_model
@@ -58,7 +62,8 @@ class RequestEvent:
     completion_tokens: int
     cached_tokens: int
     ttft_s: float | None
-    index: int = 0  # the candidate of an n > 1 request (0 otherwise)
+    index: int = 0  # the candidate of an n > 1 request, the rank of a beam (0 otherwise)
+    score: float | None = None  # a beam's sequence score (beam search only)
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     ttft_s: float | None
-    index: int = 0  # the candidate of an n > 1 request (0 otherwise)
+    index: int = 0  # the candidate of an n > 1 request, the rank of a beam (0 otherwise)
+    score: float | None = None  # a beam's sequence score (beam search only)
 
 
 class _Request:
@@ -125,9 +131,11 @@ class Engine:
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
+        self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -218,6 +226,8 @@ class Engine:
         try:
             if isinstance(prompt, str):
                 return list(self.tokenizer(prompt)["input_ids"])
+            if isinstance(prompt, Conversation):
+                return self.encode_chat(prompt.messages, prompt.tools)
             if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 return self._checked_ids(prompt)  # type: ignore[arg-type]
             return self.encode_chat(prompt)  # type: ignore[arg-type]
@@ -236,10 +246,13 @@ class Engine:
             raise RequestError(f"token id {bad} is outside the model's vocabulary (0-{vocab_size - 1})")
         return list(token_ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         messages = developer_as_system(read_messages(messages), self.chat_template)
+        if tools and not template_takes_tools(self.chat_template):
+            messages, tools = tools_in_system_message(messages, tools), None
         if self.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **({"tools": tools} if tools else {}))
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not self._warned_no_chat_template:
             self._warned_no_chat_template = True
@@ -264,13 +277,27 @@ class Engine:
             raise PagecliError(f"Request id '{request_id}' is already in use.")
         seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
         seq.generator = make_generator(sampling)
+        if sampling.beam_search:
+            self.beams.start(seq)  # RequestError if this engine cannot hold the beams
+        if sampling.structured is not None:
+            seq.grammar = self._grammar_compiler().new_state(sampling.structured)  # RequestError if invalid
         self._requests[request_id] = {0: _Request(seq, self.tokenizer)}
         self.scheduler.add(seq)
         return request_id
 
+    def check_structured(self, spec: StructuredSpec) -> None:
+        """Compile spec now (kept for the requests that use it); RequestError where it cannot be enforced."""
+        self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.spec.vocab_size, self.stop_token_ids)
+        return self._grammars
+
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id):
             self._requests.pop(request_id, None)
+            self.beams.drop(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -291,9 +318,23 @@ class Engine:
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit_full_blocks(seq)
         self._steps += 1
+        sampled, logits, ended = self.beams.take_rows(sampled, logits)
+        events = [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
-        events = []
         for seq, token_id in zip(sampled, sample(logits, sampled)):
+            events.append(self._on_token(seq, token_id))
+            if seq.grammar is not None and len(self.scheduler.running) == 1:
+                events.extend(self._forced_tokens(seq))
+        return events
+
+    def _forced_tokens(self, seq: Sequence) -> list[RequestEvent]:
+        """The tokens seq's grammar allows alone after its sampled one, appended now; the next step computes
+        them as one chunk, so the fixed parts of a schema take no decode steps of their own. Only for a
+        sequence running alone: in a batch the others need the step anyway, and a chunk of several tokens
+        turns a decode step into a slower mixed one (measured: 16 constrained sequences 25% slower with it)."""
+        events = []
+        while not seq.is_finished and (token_id := seq.grammar.forced_token()) is not None:
+            skip_draw(seq, self.loaded.spec.vocab_size)
             events.append(self._on_token(seq, token_id))
         return events
 
@@ -317,9 +358,24 @@ class Engine:
         candidates = [parent.fork(i, make_generator(parent.sampling, i)) for i in range(1, parent.sampling.n)]
         for candidate in candidates:
             self.kv.share_blocks(parent, candidate)
+            if parent.grammar is not None:
+                candidate.grammar = parent.grammar.fork(parent.output_token_ids)
             self._requests[parent.request_id][candidate.candidate_index] = _Request(candidate, self.tokenizer)
         self.scheduler.add_forked(parent, candidates)
         return candidates
+
+    def _beam_event(self, beam: FinishedBeam) -> RequestEvent:
+        """A returned hypothesis of a finished beam search, as the event that ends its completion."""
+        self._requests.pop(beam.request_id, None)
+        first, tokens = beam.first, beam.hypothesis.token_ids
+        shown = tokens[:-1] if beam.finish_reason == "stop" else tokens
+        text = self.tokenizer.decode(list(shown), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        ttft = first.first_token_time_s - first.arrival_time_s if first.first_token_time_s else None
+        return RequestEvent(
+            request_id=beam.request_id, text=text, token_ids=tokens, finished=True, finish_reason=beam.finish_reason,
+            prompt_tokens=first.num_prompt_tokens, completion_tokens=len(tokens), cached_tokens=first.num_cached_tokens,
+            ttft_s=ttft, index=beam.rank, score=beam.hypothesis.score,
+        )
 
     def _on_token(self, seq: Sequence, token_id: int) -> RequestEvent:
         req = self._requests[seq.request_id][seq.candidate_index]
@@ -327,7 +383,8 @@ class Engine:
         self._tokens_generated += 1
         params = seq.sampling
         reason = None
-        if token_id in self.stop_token_ids and not params.ignore_eos:
+        grammar_done = seq.grammar is not None and _grammar_accepts(seq, token_id)
+        if grammar_done or (token_id in self.stop_token_ids and not params.ignore_eos):
             reason = "stop"
         else:
             req.detok.add(token_id)
@@ -394,7 +451,7 @@ class Engine:
             if ev.finished:
                 done[key] = Completion(
                     ev.request_id, "".join(texts[key]), tuple(tokens[key]), ev.finish_reason or "stop",
-                    ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.ttft_s, ev.index,
+                    ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.ttft_s, ev.index, ev.score,
                 )
         n = (sampling or SamplingParams()).n
         return [done[(i, index)] for i in ids for index in range(n)]
@@ -447,7 +504,8 @@ class Engine:
             blocks_shared=counts.shared,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
-            prompt_tokens_computed=self._prompt_tokens_computed, tokens_generated=self._tokens_generated,
+            prompt_tokens_computed=self._prompt_tokens_computed,
+            tokens_generated=self._tokens_generated + self.beams.tokens_chosen,
             prefix_query_tokens=self.kv.prefix_query_tokens, prefix_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_disk_hit_tokens=self.kv.prefix_disk_hit_tokens, evictions=self.pool.evictions,
             device=str(self.loaded.device), dtype=str(self.loaded.dtype).removeprefix("torch."),
@@ -458,6 +516,13 @@ class Engine:
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
         )
+
+
+def _grammar_accepts(seq: Sequence, token_id: int) -> bool:
+    """Advance seq's grammar past its sampled token; True once the grammar has ended (at a stop token)."""
+    if not seq.grammar.accept(token_id):
+        raise RuntimeError(f"token {token_id} was sampled against its grammar's mask")  # a bug, not a user error
+    return seq.grammar.is_terminated
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty, and the
+grammar's mask for constrained rows (engine/structured.py; rows without a grammar pay nothing).
 
 Each sampled sequence draws from its own torch.Generator, so the same seed gives the same
 output whatever else shares the batch; the candidates of an n > 1 request each have their own.
@@ -28,6 +29,11 @@ def make_generator(sampling: SamplingParams, candidate_index: int = 0) -> torch.
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [num_seqs, vocab] (any dtype, any device); returns one token id per sequence."""
     logits = logits.cpu()
+    constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if constrained:
+        from pagecli.engine.structured import apply_grammar_masks
+
+        apply_grammar_masks(logits, constrained, [seqs[row].grammar for row in constrained])
     # Plain greedy rows (the common case of a batch) take one argmax for all of them. max() gives
     # the same index (the first of equal maxima) and is about 4x faster than argmax() on bfloat16.
     chosen = logits.max(dim=-1).indices.tolist()
@@ -44,6 +50,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             probs = filtered_probs(row_logits, params)
             chosen[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
     return chosen
+
+
+def skip_draw(seq: Sequence, vocab_size: int) -> None:
+    """Move a sampled sequence's random stream as `sample` does for one token, for a token appended without
+    sampling (engine/structured.py's forced tokens): its later draws stay those of step-by-step decoding.
+    torch.multinomial takes the same randomness whatever the probabilities (one draw per vocabulary entry)."""
+    if seq.generator is None:
+        return
+    one_hot = torch.zeros(vocab_size)
+    one_hot[0] = 1.0
+    torch.multinomial(one_hot, 1, generator=seq.generator)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:

@@ -14,6 +14,9 @@ pool gives way one candidate at a time instead (newest first). Each preempted ca
 as its own sequence, keeping its tokens and its random stream, so its output does not change;
 with prefix caching the prompt's full blocks are shared again (without it, recomputed per
 candidate).
+
+A beam of a beam search (engine/beam_groups.py) whose next-token row is in but whose siblings' are not
+stays running with nothing to compute: the scheduler passes over it (it holds its blocks and its seat).
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:  # a beam whose row is in, waiting for its siblings' (engine/beam_groups.py)
+                scheduled.append(ScheduledSeq(seq, 0))
+                i += 1
+                continue
             if self.kv.allocate_slots(seq, num_new):
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
@@ -88,6 +95,7 @@ class Scheduler:
             i = len(scheduled)
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
+        scheduled = [s for s in scheduled if s.num_new_tokens]  # parked beams run nothing
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         return SchedulerOutput(scheduled, preempted)
 
@@ -115,7 +123,7 @@ class Scheduler:
     def _has_seats_for(self, seq: Sequence) -> bool:
         """Whether max_num_seqs leaves room for seq and, before its fork, its candidates; a request with
         more candidates than max_num_seqs still runs, alone."""
-        seats = seq.sampling.n if seq.needs_fork else 1
+        seats = seq.sampling.num_sequences if seq.num_tokens == seq.num_prompt_tokens else 1  # before the fork
         return not self.running or len(self.running) + seats <= self.max_num_seqs
 
     def add_forked(self, parent: Sequence, candidates: list[Sequence]) -> None:

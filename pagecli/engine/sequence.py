@@ -46,6 +46,7 @@ class Sequence:
     generator: Any = None  # torch.Generator for seeded sampling (None when greedy)
     candidate_index: int = 0  # which of the request's n candidates this is
     forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
+    grammar: Any = None  # engine/structured.GrammarState when the request constrains its output
 
     @property
     def needs_fork(self) -> bool:

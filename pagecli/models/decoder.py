@@ -6,6 +6,7 @@ safetensors weights load by name without a mapping table.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,10 +14,12 @@ from torch import nn
 
 from pagecli import native
 from pagecli.attention import AttentionBackend, AttentionMetadata
+from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
 from pagecli.models.quantize import Int8Reference, check_quantize_device
+from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
 
@@ -95,6 +98,7 @@ class CausalLM(nn.Module):
 
     linear_kernel: LinearKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
+    source_folder: Path | None = None  # the folder load_model read (a GGUF's conversion names its file)
     output_packed: Any = None  # the output layer's PackedLinear, when the products run packed
 
     def fuse_projections(self) -> None:
@@ -103,19 +107,42 @@ class CausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     def quantize_weights(self, quantize: str, ops: Any = None) -> None:
-        """--quantize int8: the decoder layers' Linears as int8 with a scale per output channel
-        (pagecli.models.quantize), run by pagecli.native's int8 kernel where it takes this model's
-        dtype (bf16 on AVX512-BF16, any on AVX2), else by the PyTorch reference. The embedding table
-        and the output layer keep the model's dtype (the lookup needs exact rows; a tied table is one)."""
+        """--quantize int8 / int4 / gguf: the decoder layers' Linears as int8 with a scale per output
+        channel (pagecli.models.quantize), as 4-bit groups (quantize_int4) or on a GGUF file's own
+        blocks (gguf_blocks), run by pagecli.native's kernel where it takes this model's dtype (bf16
+        on AVX512-BF16, any on AVX2), else by the PyTorch reference. The embedding table and the
+        output layer keep the model's dtype (the lookup needs exact rows; a tied table is one)."""
         if quantize == "none":
             return
         check_quantize_device(quantize, self.model.norm.weight.device)
-        kind = ops.int8_linear_kind() if ops is not None else ""
-        native_int8 = kind == "avx2" or (kind == "avx512_bf16" and self.model.norm.weight.dtype == torch.bfloat16)
+        if quantize == "gguf":
+            self._use_gguf_blocks(ops)
+            return
+        int4 = quantize == "int4"
+        kind = "" if ops is None else ops.int4_linear_kind() if int4 else ops.int8_linear_kind()
+        native_ok = kind == "avx2" or (kind == "avx512_bf16" and self.model.norm.weight.dtype == torch.bfloat16)
         for layer in self.model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
-                    module.quantize_int8(ops if native_int8 else None)
+                    if int4:
+                        module.quantize_int4(ops if native_ok else None)
+                    else:
+                        module.quantize_int8(ops if native_ok else None)
+
+    def _use_gguf_blocks(self, ops: Any) -> None:
+        """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks."""
+        from pagecli.models import gguf_blocks
+
+        source = gguf_blocks.gguf_source(self.source_folder) if self.source_folder is not None else None
+        if source is None:
+            raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
+                               "loaded from a .gguf file (use int8 or int4).")
+        bf16 = self.model.norm.weight.dtype == torch.bfloat16
+        native_for = lambda kind: ops if kind == "avx2" or (kind == "avx512_bf16" and bf16) else None  # noqa: E731
+        products = gguf_blocks.layer_products(source, self.spec.num_heads, self.spec.num_kv_heads)
+        gguf_blocks.use_gguf_products(self.model.layers, products,
+                                      native_for(ops.int4_linear_kind() if ops is not None else ""),
+                                      native_for(ops.int8_linear_kind() if ops is not None else ""))
 
     def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with
@@ -152,7 +179,7 @@ class CausalLM(nn.Module):
         # forward() below, without the Python between them (a few ms per token for one stream).
         layers = self.model.layers
         products = [self._packed_products(layer) for layer in layers]
-        if any(isinstance(p, Int8Reference) for layer in products for p in layer):
+        if any(isinstance(p, (Int8Reference, Int4Reference)) for layer in products for p in layer):
             self.decode_step = None  # products in PyTorch: the Python loop runs them
             return
         self.decode_step = ops.DecodeStep(

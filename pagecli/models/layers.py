@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagecli.models.quantize import Int8Reference, quantize_int8
+from pagecli.models.quantize_int4 import Int4Reference, quantize_int4
 from pagecli.models.spec import rope_parameters, rope_type_of
 
 
@@ -127,6 +128,28 @@ class Linear(nn.Linear):
         self.weight = None
         self.packed_weight = nn.Parameter(self.packed.weights if ops is not None else q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def quantize_int4(self, ops: Any) -> None:
+        """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's
+        PackedLinearInt4 when `ops` is given, else by the PyTorch reference."""
+        if self.packed is None:
+            self.use_int4(*quantize_int4(self.weight), ops)
+
+    def use_int4(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, ops: Any) -> None:
+        """Run on these 4-bit weights (q [N, K] in [0, 15], fp16 scale and min [N, ceil(K / 32)]) in
+        place of `weight`: quantized here, or read as they are from a GGUF file's Q4_0/Q4_1 blocks."""
+        bias = None if self.bias is None else self.bias.detach()
+        if ops is not None:
+            self.packed = ops.PackedLinearInt4(q, scale, minimum, bias)
+            self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
+            if self.packed.scales.numel():  # AVX2 keeps them beside the rows: count their bytes too
+                self.weight_scale = nn.Parameter(self.packed.scales, requires_grad=False)
+        else:
+            self.packed = Int4Reference(q, scale, minimum, bias)
+            self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+            self.weight_min = nn.Parameter(minimum, requires_grad=False)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -196,6 +196,7 @@ def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_posi
     with torch.device("meta"):  # parameters get their real storage from the checkpoint
         model = CausalLM(spec, rotary)
     _load_weights(model, folder, torch_dtype, dev)
+    model.source_folder = folder
     model.fuse_projections()
     model.eval()
     tokenizer = load_tokenizer(folder)

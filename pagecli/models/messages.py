@@ -7,6 +7,8 @@ ones call `system`. `generate`, `chat` and the server all read messages through 
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from pagecli.errors import RequestError
@@ -28,8 +30,45 @@ def read_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise RequestError(f"message {index + 1} needs a string 'role' (and 'content')")
         content = _content_text(message.get("content"), index, message["role"])
-        out.append({**message, "content": content})
+        out.append(_checked_tool_fields({**message, "content": content}, index))
     return out
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat messages with the tools the chat template is told about (OpenAI's `tools` objects)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def _checked_tool_fields(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A `tool` message's `tool_call_id` and an assistant's `tool_calls` checked; each call's `arguments`
+    (a JSON string, as OpenAI sends them) becomes an object, as chat templates expect to render it."""
+    where = f"message {index + 1}"
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+        raise RequestError(f"{where}: 'tool_call_id' must be a string")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        raise RequestError(f"{where}: 'tool_calls' must be a list, on an assistant message")
+    return {**message, "tool_calls": [_checked_call(call, f"{where}, tool call {n + 1}") for n, call in enumerate(calls)]}
+
+
+def _checked_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise RequestError(f"{where}: needs 'function' with a string 'name'")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise RequestError(f"{where}: 'function.arguments' is not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}: 'function.arguments' must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _content_text(content: Any, index: int, role: str) -> str:

@@ -83,7 +83,7 @@ class PlainTokenizer:
         return self.backend.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+                            add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as text; raises jinja2.TemplateError where the template rejects it, and
         ValueError without a template or messages, as transformers does."""
         if tokenize:
@@ -93,7 +93,8 @@ class PlainTokenizer:
         if not messages:
             raise ValueError("Cannot apply a chat template to an empty conversation.")
         template = _compiled_template(self.chat_template)
-        return template.render(messages=[_template_message(m) for m in messages], tools=None, documents=None,
+        tools = [_plain_data(tool) for tool in tools] if tools else None  # transformers passes None for []
+        return template.render(messages=[_template_message(m) for m in messages], tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
 

@@ -42,11 +42,13 @@ _SOURCES = tuple(_HERE / name for name in (
     "linear.cpp",             # products over row-layout weights: rows kernel, AMX tiles, native_linear
     "gemm_bf16.cpp",          # the packed bf16 GEMM (AVX512-BF16)
     "quant_int8.cpp",         # int8 weights: packed AVX512-BF16 kernel, AVX2 kernel
+    "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
 ))
 _HEADERS = tuple(_HERE / name for name in (
-    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "decode_step.h",
+    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
+    "decode_step.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

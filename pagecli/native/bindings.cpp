@@ -6,6 +6,7 @@
 #include "cpu_ops.h"
 #include "decode_step.h"
 #include "gemm_bf16.h"
+#include "quant_int4.h"
 #include "quant_int8.h"
 #include "simd.h"
 
@@ -46,6 +47,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("weights", &pagecli::PackedLinearInt8::weights)
       .def_property_readonly("out_features", &pagecli::PackedLinearInt8::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt8::in_features);
+  pybind11::class_<pagecli::PackedLinearInt4, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinearInt4>>(
+      m, "PackedLinearInt4", pybind11::module_local())
+      .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const c10::optional<torch::Tensor>&>(),
+           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("min"), pybind11::arg("bias") = pybind11::none())
+      .def_property_readonly("weights", &pagecli::PackedLinearInt4::weights)
+      .def_property_readonly("scales", &pagecli::PackedLinearInt4::scales)
+      .def_property_readonly("out_features", &pagecli::PackedLinearInt4::out_features)
+      .def_property_readonly("in_features", &pagecli::PackedLinearInt4::in_features);
+  m.def("int4_linear_kind", &pagecli::int4_linear_kind, "Which int4 kernel this build runs: avx512_bf16, avx2 or ''");
   m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_bf16, avx2 or ''");
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");

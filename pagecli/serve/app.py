@@ -18,7 +18,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagecli.config import SamplingParams
+from pagecli.models.tool_calls import HERMES
 from pagecli.serve import sse
+from pagecli.serve.chat_output import ReplyRules, ReplyStream, message_of
 from pagecli.serve.engine_thread import EngineThread
 from pagecli.serve.errors import ApiError, server_error
 from pagecli.serve.jobs import Accepted, Job, Rejected, Sink
@@ -39,6 +41,9 @@ class ServeState:
     metrics: ServerMetrics
     log: RequestLog
     created: int
+    reasoning: bool = True  # --reasoning-format separate: <think> text goes to reasoning_content
+    opens_thinking: bool = False  # the chat template's generation prompt ends inside <think>
+    tool_format: str = HERMES  # how the chat template writes tool calls (tool_calls.tool_format_of)
 
 
 def create_app(state: ServeState) -> Starlette:
@@ -97,9 +102,11 @@ class _Api:
             self.s.engine_thread.submit(job)
             await self._accepted(job)
             shape = Shape.of(job, api_request.model or self.s.model_ids[0])
+            rules = self._rules(api_request)
             if api_request.stream:
-                return sse.JobStream(self._stream(path, job, shape, api_request), self.s.engine_thread, job)
-            return await self._complete(request, path, job, shape)
+                body = self._stream(path, job, shape, api_request, rules)
+                return sse.JobStream(body, self.s.engine_thread, job)
+            return await self._complete(request, path, job, shape, rules)
         except ApiError as error:
             return self._refused(path, error, job)
         except ClientDisconnect:
@@ -121,14 +128,24 @@ class _Api:
             raise ApiError(404, f"The model '{model}' is not served here; this server serves "
                                 f"'{self.s.model_ids[0]}' (GET /v1/models).", "model_not_found", param="model")
 
+    def _rules(self, api_request: ApiRequest) -> ReplyRules | None:
+        """How the request's replies are read: None for completions (their text is returned as it is)."""
+        if api_request.kind != "chat":
+            return None
+        tools = api_request.tools
+        parses_calls = tools is not None and tools.parses_calls
+        return ReplyRules(self.s.reasoning, self.s.opens_thinking, self.s.tool_format if parses_calls else None,
+                          parses_calls and tools.constrained)  # type: ignore[union-attr]
+
     async def _accepted(self, job: Job) -> None:
         message = await job.sink.get()
         if isinstance(message, Rejected):
             raise message.error
         assert isinstance(message, Accepted)
 
-    async def _complete(self, request: Request, path: str, job: Job, shape: Shape) -> Response:
-        collect = asyncio.ensure_future(_collect(job))
+    async def _complete(self, request: Request, path: str, job: Job, shape: Shape,
+                        rules: ReplyRules | None) -> Response:
+        collect = asyncio.ensure_future(_collect(job, rules))
         gone = asyncio.ensure_future(_client_gone(request))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -137,18 +154,24 @@ class _Api:
             self.s.engine_thread.cancel(job)
             self._answered(path, CLIENT_CLOSED, job, "the client disconnected; request cancelled")
             return Response(status_code=CLIENT_CLOSED)
-        texts, reasons = collect.result()  # raises the ApiError of a job the server had to cancel
+        texts, reasons, read = collect.result()  # raises the ApiError of a job the server had to cancel
         self._answered(path, 200, job)
-        return JSONResponse(shape.completion(texts, reasons, usage(job)))
+        if read is None:
+            return JSONResponse(shape.completion(texts, reasons, usage(job)))
+        replies, reasoning_tokens = read
+        messages = [message_of(deltas) for deltas, _ in replies]
+        reasons = [reason for _, reason in replies]
+        return JSONResponse(shape.completion(texts, reasons, usage(job, reasoning_tokens), messages))
 
-    async def _stream(self, path: str, job: Job, shape: Shape, api_request: ApiRequest) -> AsyncIterator[bytes]:
+    async def _stream(self, path: str, job: Job, shape: Shape, api_request: ApiRequest,
+                      rules: ReplyRules | None) -> AsyncIterator[bytes]:
         """The SSE body. A client that disconnects cancels this generator, which cancels the job."""
-        progress = sse.StreamProgress(job.n)
+        progress = sse.StreamProgress(job.n, rules)
         try:
             while progress.left and progress.error is None:
                 yield b"".join(progress.events(message, shape) for message in await job.sink.get_ready())
             if api_request.include_usage and progress.error is None:
-                yield sse.event(shape.usage_chunk(usage(job)))
+                yield sse.event(shape.usage_chunk(usage(job, progress.reasoning_tokens)))
             yield sse.DONE
         finally:
             if progress.left and progress.error is None:
@@ -166,20 +189,36 @@ class _Api:
         self.s.log.answered(method, path, status, job, error)
 
 
-async def _collect(job: Job) -> tuple[list[str], list[str]]:
-    """Every candidate's text and finish reason, once all have finished."""
+Replies = list[tuple[list[dict[str, Any]], str]]  # per candidate: its reply's deltas, its finish reason
+
+
+async def _collect(job: Job, rules: ReplyRules | None
+                   ) -> tuple[list[str], list[str], tuple[Replies, int | None] | None]:
+    """Every candidate's text and finish reason, once all have finished; and where replies are read,
+    what each reads as (fed event by event, as a stream is, so reasoning tokens are counted the same)."""
     texts: list[list[str]] = [[] for _ in range(job.n)]
     reasons: list[str] = ["stop"] * job.n
+    readers = None if rules is None or rules.plain else [ReplyStream(rules) for _ in range(job.n)]
+    replies: Replies = [([], "stop") for _ in range(job.n)]
     left = job.n
     while left:
         message = await job.sink.get()
         if isinstance(message, Rejected):
             raise message.error
-        texts[message.index].append(message.event.text)
-        if message.event.finished:
-            reasons[message.index] = message.event.finish_reason or "stop"
+        update, index = message.event, message.index
+        texts[index].append(update.text)
+        if readers is not None:
+            replies[index][0].extend(readers[index].feed(update.text, len(update.token_ids)))
+        if update.finished:
+            reasons[index] = update.finish_reason or "stop"
+            if readers is not None:
+                rest, reason = readers[index].finish(reasons[index])
+                replies[index] = (replies[index][0] + rest, reason)
             left -= 1
-    return ["".join(parts) for parts in texts], reasons
+    reasoning = None
+    if readers is not None and readers[0].rules.reasoning:
+        reasoning = sum(reader.reasoning_tokens for reader in readers)
+    return ["".join(parts) for parts in texts], reasons, None if readers is None else (replies, reasoning)
 
 
 async def _client_gone(request: Request) -> None:

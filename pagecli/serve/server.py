@@ -17,6 +17,8 @@ from typing import Any
 import uvicorn
 
 from pagecli.errors import PagecliError
+from pagecli.models.reasoning import prompt_opens_thinking
+from pagecli.models.tool_calls import tool_format_of
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.engine_thread import EngineThread
 from pagecli.serve.metrics import ServerMetrics
@@ -34,6 +36,7 @@ class ServeOptions:
     max_pending: int = 256  # candidates queued or running; more get 429
     grace_s: float = 30.0  # how long SIGTERM waits for running requests before cancelling them
     screen: bool | None = None  # the live pool panel and request table; default: when stdout is a terminal
+    reasoning_format: str = "separate"  # separate: <think> text as reasoning_content; none: left in content
 
 
 class _Server(uvicorn.Server):
@@ -82,8 +85,22 @@ def build_state(engine: Any, settings: Any, options: ServeOptions, request_log: 
     metrics = ServerMetrics(lambda: thread.snapshot)  # type: ignore[union-attr]
     thread = EngineThread(engine, options.max_pending, [metrics], block_states=block_states,
                           on_warning=request_log.note)
+    template = getattr(engine, "chat_template", None)
     return ServeState(thread, model_ids(engine), options.api_key, settings.sampling, metrics,
-                      request_log, int(time.time()))
+                      request_log, int(time.time()), reasoning=options.reasoning_format == "separate",
+                      opens_thinking=_opens_thinking(engine, template), tool_format=tool_format_of(template))
+
+
+def _opens_thinking(engine: Any, template: str | None) -> bool:
+    """Whether the template's generation prompt ends inside <think>, so replies start in their thinking."""
+    if not template:
+        return False
+    try:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                    add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that needs more than one user message: assume not
+        return False
+    return isinstance(text, str) and prompt_opens_thinking(text)
 
 
 def run_server(settings: Any, options: ServeOptions) -> int:

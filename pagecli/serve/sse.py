@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
+from pagecli.serve.chat_output import ReplyRules, ReplyStream
 from pagecli.serve.engine_thread import EngineThread
 from pagecli.serve.jobs import Job, Rejected
 from pagecli.serve.responses import Shape
@@ -25,11 +26,19 @@ def event(data: dict[str, Any]) -> bytes:
 class StreamProgress:
     """Which candidates of a streamed job have started and how many are left; an error ends the stream."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, rules: ReplyRules | None = None) -> None:
         self.left = n
         self.started: set[int] = set()
         self.status = 200
         self.error: str | None = None
+        # Chat replies read for reasoning or tool calls: one reader per candidate.
+        self.replies = None if rules is None or rules.plain else [ReplyStream(rules) for _ in range(n)]
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        if self.replies is None or not self.replies[0].rules.reasoning:
+            return None
+        return sum(reply.reasoning_tokens for reply in self.replies)
 
     def events(self, message: Any, shape: Shape) -> bytes:
         """The SSE events for one message from the engine thread (none after an error)."""
@@ -39,6 +48,8 @@ class StreamProgress:
             self.status, self.error = message.error.status, message.error.message
             return event(message.error.body())
         index, update = message.index, message.event
+        if self.replies is not None:
+            return self._read_events(index, update, shape)
         out = b""
         if update.text or index not in self.started:
             out += event(shape.chunk(index, update.text, None, first=index not in self.started))
@@ -46,6 +57,24 @@ class StreamProgress:
         if update.finished:
             self.left -= 1
             out += event(shape.chunk(index, "", update.finish_reason))
+        return out
+
+    def _read_events(self, index: int, update: Any, shape: Shape) -> bytes:
+        """The events of a candidate whose reply is read: its deltas as the reader lets them out."""
+        reply = self.replies[index]  # type: ignore[index]
+        out = b""
+        if index not in self.started:
+            out += event(shape.delta_chunk(index, {"role": "assistant", "content": ""}))
+            self.started.add(index)
+        deltas = reply.feed(update.text, len(update.token_ids))
+        finish_reason = None
+        if update.finished:
+            rest, finish_reason = reply.finish(update.finish_reason or "stop")
+            deltas += rest
+        out += b"".join(event(shape.delta_chunk(index, delta)) for delta in deltas)
+        if update.finished:
+            self.left -= 1
+            out += event(shape.delta_chunk(index, {}, finish_reason))
         return out
 
 

@@ -13,20 +13,23 @@ from typing import Any
 
 from pagecli.cli.batch_io import sampling_fields, sampling_with
 from pagecli.config import SamplingParams
+from pagecli.config.structured import StructuredSpec
 from pagecli.errors import PagecliError, request_failure
-from pagecli.models.messages import read_messages
+from pagecli.models.messages import Conversation, read_messages
+from pagecli.models.tools import ToolRequest, calls_schema, read_tool_request
 from pagecli.serve.errors import ApiError, bad_request
 
 MAX_N = 64  # candidates per request: each one is a running sequence
-Prompt = str | list[dict[str, Any]] | list[int]
+Prompt = str | list[dict[str, Any]] | list[int] | Conversation
 
 # Each field and the values of it that ask for nothing pagecli lacks; any other value is refused.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+    "beam_width": (None, 1),  # beam search runs in `generate` only
     "prediction": (None,),
 }
 
@@ -42,6 +45,7 @@ class ApiRequest:
     n: int
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None = None  # chat only: the request's tools and tool_choice
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -72,7 +76,22 @@ def parse_request(body: dict[str, Any], kind: str, base: SamplingParams) -> ApiR
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", param="stream_options")
     include_usage = _flag(options, "include_usage")
-    return ApiRequest(kind, model, prompt, replace(sampling, n=n), n, stream, include_usage)
+    tools = _with_request_errors(lambda: read_tool_request(body)) if kind == "chat" else None
+    if tools is not None:
+        prompt = Conversation(prompt, tools.template_tools())
+        sampling = _calls_constrained(sampling, tools)
+    return ApiRequest(kind, model, prompt, replace(sampling, n=n), n, stream, include_usage, tools)
+
+
+def _calls_constrained(sampling: SamplingParams, tools: ToolRequest) -> SamplingParams:
+    """tool_choice "required" or a named function: the reply constrained to calls by a JSON schema."""
+    if not tools.constrained:
+        return sampling
+    if sampling.structured is not None:
+        raise bad_request("'response_format' cannot be combined with 'tool_choice' \"required\" or a named "
+                          "function: the reply is already constrained to tool calls.", param="tool_choice")
+    spec = _with_request_errors(lambda: StructuredSpec.json_schema(calls_schema(tools)))
+    return replace(sampling, structured=spec)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

@@ -1,0 +1,90 @@
+"""Perplexity of a model over a text, in windows as llama.cpp's llama-perplexity computes it, so a
+quantization can be weighed against bf16 (and against llama-perplexity on the same GGUF).
+
+The text is tokenized once and cut into non-overlapping windows of `ctx` tokens (the tail that does
+not fill a window is dropped). Each window is evaluated from an empty cache; where the tokenizer
+starts text with BOS, the window's first token is replaced by BOS (as llama-perplexity does). Only the
+second half of each window is scored, so every scored token sees at least ctx / 2 tokens of context:
+the logits at positions ctx/2 .. ctx-2 against the tokens that follow them (ctx/2 - 1 per window).
+ppl = exp(mean negative log-likelihood over every scored token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagecli.attention import AttentionMetadata
+from pagecli.errors import PagecliError
+
+MIN_CTX = 8
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    ppl: float
+    windows: int
+    ctx: int
+    tokens_scored: int
+    running_ppl: tuple[float, ...]  # after each window, as llama-perplexity prints them
+
+
+def text_windows(token_ids: list[int], ctx: int, bos_id: int | None) -> list[list[int]]:
+    """Non-overlapping windows of ctx tokens; the first token of each is BOS when bos_id is given."""
+    if ctx < MIN_CTX:
+        raise PagecliError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx}).")
+    count = len(token_ids) // ctx
+    if count == 0:
+        raise PagecliError(f"The text has {len(token_ids)} tokens, fewer than one window of --ctx {ctx}; "
+                           "use a longer text or a smaller --ctx.")
+    windows = [list(token_ids[i * ctx:(i + 1) * ctx]) for i in range(count)]
+    if bos_id is not None:
+        for window in windows:
+            window[0] = bos_id
+    return windows
+
+
+@torch.inference_mode()
+def window_nll(model: Any, backend: Any, window: list[int], block_size: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[float, int]:
+    """(sum of negative log-likelihoods, tokens scored) of one window's second half, from an empty
+    cache of its own (the engine's block pool is not touched)."""
+    ctx = len(window)
+    spec = model.spec
+    num_blocks = -(-ctx // block_size)
+    # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+    kv_caches = torch.empty(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                            dtype=dtype, device=device)
+    meta = AttentionMetadata.build([ctx], [ctx], [list(range(num_blocks))], list(range(ctx)), 0, device)
+    ids = torch.tensor(window, dtype=torch.int64, device=device)  # [ctx]
+    positions = torch.arange(ctx, device=device)  # [ctx]
+    hidden = model.forward(ids, positions, kv_caches, meta, backend)  # [ctx, hidden]
+    first = ctx // 2
+    logits = model.compute_logits(hidden[first:ctx - 1]).float()  # [ctx - 1 - first, vocab]
+    nll = -torch.log_softmax(logits, dim=-1).gather(1, ids[first + 1:, None]).squeeze(1)  # [ctx - 1 - first]
+    return float(nll.double().sum()), int(nll.numel())
+
+
+def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, float], None] | None = None) -> Perplexity:
+    """The engine's model's perplexity over `text` (windows above); on_window(done, total, running ppl)."""
+    if ctx > engine.max_model_len:
+        raise PagecliError(f"--ctx {ctx} is longer than this engine's context ({engine.max_model_len} tokens); "
+                           "lower --ctx or raise --max-model-len.")
+    tokenizer = engine.tokenizer
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    starts_with_bos = tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id] and tokenizer.bos_token_id is not None
+    windows = text_windows(token_ids, ctx, tokenizer.bos_token_id if starts_with_bos else None)
+    loaded = engine.loaded
+    nll_sum, scored, running = 0.0, 0, []
+    for index, window in enumerate(windows):
+        nll, count = window_nll(loaded.model, engine.backend, window, engine.config.block_size, loaded.dtype,
+                                loaded.device)
+        nll_sum, scored = nll_sum + nll, scored + count
+        running.append(math.exp(nll_sum / scored))
+        if on_window is not None:
+            on_window(index + 1, len(windows), running[-1])
+    return Perplexity(running[-1], len(windows), ctx, scored, tuple(running))

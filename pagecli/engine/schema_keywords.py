@@ -1,0 +1,61 @@
+"""JSON Schema keywords the grammar engine would accept and then not enforce: refused by name, never ignored.
+
+xgrammar (0.2.x) compiles these without a word, yet lets output through that breaks them (measured: a
+violating instance is accepted). A request whose schema uses one gets a RequestError naming the keyword
+and where it is, so its output is never said to follow a schema it does not follow. `oneOf` is enforced
+as `anyOf` (a value valid for more than one branch passes); that is the common case of unions whose
+branches exclude each other (tagged by a `const` field), so it is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagecli.errors import RequestError
+
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+               "contains", "minContains", "maxContains")
+# The `format` values whose strings xgrammar constrains; any other would be an annotation only.
+_ENFORCED_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
+                               "uri", "uri-reference", "uuid"})
+# Keywords whose value is a map of name -> subschema, or a list of subschemas: where to look deeper.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+
+
+def refuse_unenforced_keywords(schema: Any, where: str = "#") -> None:
+    """Raise RequestError at the first keyword, anywhere in schema, that would not be enforced."""
+    if not isinstance(schema, dict):
+        return
+    problem = _node_problem(schema)
+    if problem is not None:
+        raise RequestError(f"the JSON schema uses {problem} at {where}, which constrained decoding cannot "
+                           "enforce; remove it or check it after generation.")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                refuse_unenforced_keywords(sub, f"{where}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                refuse_unenforced_keywords(sub, f"{where}/{key}/{i}")
+    for key in _SCHEMA_VALUES:
+        refuse_unenforced_keywords(schema.get(key), f"{where}/{key}")
+
+
+def _node_problem(schema: dict[str, Any]) -> str | None:
+    """The unenforced keyword of one schema node (not its subschemas), as the message names it."""
+    for key in _UNENFORCED:
+        if key in schema:
+            return f"'{key}'"
+    if schema.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "'allOf' with more than one schema"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return "'multipleOf' on a non-integer"
+    form = schema.get("format")
+    if isinstance(form, str) and form not in _ENFORCED_FORMATS:
+        return f"format '{form}'"
+    return None

@@ -1,0 +1,180 @@
+"""A GGUF file's Q4_0, Q4_1 and Q8_0 decoder weights read as they are (--quantize gguf), without the
+float32 detour of gguf_convert, and handed to the decoder's Linears.
+
+The block formats map onto pagecli's layouts: Q4_1 (32 weights: fp16 scale d, fp16 minimum m,
+16 bytes of nibbles; w = q * d + m) is quantize_int4's layout itself; Q4_0 (fp16 d, nibbles,
+w = (q - 8) * d) is the case m = -8 d (exact in fp16 and in the fp32 sum). Both then run on
+pagecli.native's 4-bit kernel, the same bytes llama.cpp reads. Q8_0 (fp16 d, 32 int8; w = q * d)
+has no group-wise int8 kernel here: its exact values are requantized to pagecli's int8 with one
+scale per output channel (lossy: a second rounding). Other types keep the float weights of the
+converted folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagecli.errors import ModelError
+
+GROUP = 32  # weights per block in all three formats
+AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as they are; Q4_* run in 4 bits, Q8_0 requantized to int8
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class Int4Parts:
+    """One weight [N, K] in quantize_int4's layout: q uint8 [N, K] in [0, 15], scale and min fp16 [N, K / 32]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Q8Parts:
+    """One Q8_0 weight [N, K]: q int8 [N, K] and scale fp16 [N, K / 32], w = q * scale."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The .gguf file a converted folder came from (its conversion marker says), if it is still there."""
+    from pagecli.models.source import CONVERTED_MARKER
+
+    try:
+        source = Path(json.loads((folder / CONVERTED_MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.is_file() else None
+
+
+def tensor_parts(tensor: Any) -> Int4Parts | Q8Parts | None:
+    """A gguf ReaderTensor's blocks in pagecli's layout, rows in the file's order; None for other types."""
+    kind = tensor.tensor_type.name
+    if kind not in AS_IS_TYPES:
+        return None
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    k = int(tensor.shape[0])
+    groups = k // GROUP
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, groups, _BLOCK_BYTES[kind])  # [N, G, bytes]
+    scale = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(rows, groups))
+    if kind == "Q8_0":
+        q8 = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, k)
+        return Q8Parts(torch.from_numpy(q8.copy()), scale.clone())
+    nibbles = blocks[:, :, 4:] if kind == "Q4_1" else blocks[:, :, 2:]  # [N, G, 16]: k i low, k i + 16 high
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).reshape(rows, k)  # [N, K]
+    if kind == "Q4_1":
+        minimum = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(rows, groups))
+    else:
+        minimum = (-8 * scale.float()).half()  # exact: a power-of-two multiple
+        if not torch.isfinite(minimum).all():
+            return None  # a scale past fp16's range / 8: keep the float path for this tensor
+    return Int4Parts(torch.from_numpy(q.copy()), scale.clone(), minimum.clone())
+
+
+def dequantize_parts(parts: Int4Parts | Q8Parts) -> torch.Tensor:
+    """The float32 weights [N, K] the parts stand for, computed as the gguf package does."""
+    if isinstance(parts, Q8Parts):
+        return parts.q.float() * parts.scale.float().repeat_interleave(GROUP, dim=1)
+    from pagecli.models.quantize_int4 import dequantize_int4
+
+    return dequantize_int4(parts.q, parts.scale, parts.minimum)
+
+
+def reorder_rows(parts: Int4Parts | Q8Parts, num_heads: int) -> Int4Parts | Q8Parts:
+    """Undo llama.cpp's q/k row order (gguf_convert.unpermute_rotary_rows) on every part's rows."""
+    from pagecli.models.gguf_convert import unpermute_rotary_rows
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), num_heads)))
+
+    if isinstance(parts, Q8Parts):
+        return Q8Parts(rows(parts.q), rows(parts.scale))
+    return Int4Parts(rows(parts.q), rows(parts.scale), rows(parts.minimum))
+
+
+def concat_parts(parts: list[Int4Parts | Q8Parts | None]) -> Int4Parts | Q8Parts | None:
+    """The parts of a fused product (q/k/v, gate/up) stacked along N; None unless all are one kind."""
+    if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
+        return None
+    if isinstance(parts[0], Q8Parts):
+        return Q8Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return Int4Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                     torch.cat([p.minimum for p in parts]))
+
+
+# Each fused product of a decoder layer and the GGUF tensors it stacks, in order.
+_PRODUCTS = {
+    ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
+    ("self_attn", "o_proj"): ("attn_output",),
+    ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
+    ("mlp", "down_proj"): ("ffn_down",),
+}
+
+
+def layer_products(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[tuple[int, str, str], Any]:
+    """(layer, submodule, product) -> Int4Parts / Q8Parts / None (float) for every decoder product."""
+    from pagecli.models.gguf_convert import _open_reader
+
+    reader = _open_reader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    num_layers = 1 + max((int(name.split(".")[1]) for name in tensors if name.startswith("blk.")), default=-1)
+    products: dict[tuple[int, str, str], Any] = {}
+    for layer in range(num_layers):
+        for (module, product), names in _PRODUCTS.items():
+            parts = []
+            for name in names:
+                tensor = tensors.get(f"blk.{layer}.{name}.weight")
+                if tensor is None:
+                    raise ModelError(f"GGUF file '{gguf_path}' lacks blk.{layer}.{name}.weight.")
+                part = tensor_parts(tensor)
+                if part is not None and name in ("attn_q", "attn_k"):
+                    part = reorder_rows(part, num_heads if name == "attn_q" else num_kv_heads)
+                parts.append(part)
+            products[(layer, module, product)] = concat_parts(parts)
+    return products
+
+
+def tensor_types(gguf_path: Path) -> dict[str, int]:
+    """How many of the file's decoder-layer matrices each GGUF type holds (for `pagecli models`)."""
+    from pagecli.models.gguf_convert import _open_reader
+
+    counts: dict[str, int] = {}
+    for tensor in _open_reader(gguf_path).tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
+
+
+def describe_path(gguf_path: Path) -> str:
+    """One line: which of the file's decoder weights run as they are with --quantize gguf, which as floats."""
+    counts = tensor_types(gguf_path)
+    as_is = {t: n for t, n in counts.items() if t in AS_IS_TYPES}
+    floats = {t: n for t, n in counts.items() if t not in AS_IS_TYPES}
+    parts = []
+    if as_is:
+        kinds = ", ".join(f"{t} x{n}" for t, n in sorted(as_is.items()))
+        parts.append(f"--quantize gguf runs {kinds} as they are" + (" (Q8_0 requantized per channel)" if "Q8_0" in as_is else ""))
+    if floats:
+        parts.append("dequantized to float: " + ", ".join(f"{t} x{n}" for t, n in sorted(floats.items())))
+    return "; ".join(parts) or "no decoder matrices"
+
+
+def use_gguf_products(layers: Any, products: dict[tuple[int, str, str], Any], int4_ops: Any, int8_ops: Any) -> None:
+    """Put each decoder product on its GGUF blocks: Int4Parts on the 4-bit kernel (int4_ops: pagecli.native,
+    or None for the PyTorch reference), Q8Parts requantized to per-channel int8 (int8_ops likewise),
+    anything else left on the converted folder's floats."""
+    for (index, module_name, product_name), parts in products.items():
+        linear = getattr(getattr(layers[index], module_name), product_name)
+        if isinstance(parts, Int4Parts):
+            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops)
+        elif isinstance(parts, Q8Parts):
+            linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
+            linear.quantize_int8(int8_ops)

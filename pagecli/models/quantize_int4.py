@@ -1,0 +1,70 @@
+"""4-bit weights (--quantize int4, and GGUF Q4_0/Q4_1 tensors run as they are): groups of 32 weights
+along the input dimension, each with an fp16 scale and an fp16 minimum, and the PyTorch reference
+product every native int4 kernel is tested against.
+
+w[n, k] = q[n, k] * scale[n, g] + min[n, g], g = k // 32, q in [0, 15] (the Q4_1 layout; Q4_0 is
+min = -8 * scale). Quantizing a group: min = its smallest weight and scale = (largest - smallest) / 15,
+both rounded to fp16 first, then q = round((w - min) / scale): every weight within half a step of
+what it stands for (plus the fp16 rounding of min). As for int8, only the decoder layers' Linears are
+quantized; the embedding table and the output layer keep the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32  # weights per group along K (pagecli/native/quant_int4.h: kInt4Group)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] uint8 in [0, 15], scale [N, G] fp16, min [N, G] fp16), G = ceil(K / 32)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = -(-k // GROUP)
+    padded = torch.nn.functional.pad(w, (0, groups * GROUP - k), value=float("nan")).view(n, groups, GROUP)
+    low = torch.where(padded.isnan(), torch.inf, padded).amin(dim=2)  # [N, G], the tail's padding left out
+    high = torch.where(padded.isnan(), -torch.inf, padded).amax(dim=2)
+    minimum = low.half()
+    scale = ((high - minimum.float()) / 15).half()
+    step = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))  # a flat group: q = 0
+    q = torch.round((padded - minimum.float()[..., None]) / step[..., None]).clamp_(0, 15)
+    q = torch.nan_to_num(q, nan=0.0).view(n, groups * GROUP)[:, :k].to(torch.uint8).contiguous()
+    return q, scale, minimum
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] that q, scale and min stand for (q * scale, then + min, as gguf does)."""
+    k = q.shape[1]
+    expand = lambda t: t.float().repeat_interleave(GROUP, dim=1)[:, :k]  # noqa: E731 - [N, G] -> [N, K]
+    return q.float() * expand(scale) + expand(minimum)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] uint8 -> [N, ceil(K / 2)] uint8, two weights a byte (k even in the low nibble)."""
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack_nibbles undone: [N, ceil(K / 2)] -> q [N, K]."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=2).view(packed.shape[0], -1)[:, :k]
+
+
+class Int4Reference:
+    """The int4 product in PyTorch: x @ dequantize_int4(...)^T in float32 (+ bias), where no kernel runs
+    it (PAGECLI_CPU_ISA=torch, float32 models on AVX512-BF16). Keeps the weights two to a byte and
+    dequantizes them for every call: the reference, not a fast path."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weights = pack_nibbles(q)  # [N, ceil(K / 2)]
+        self.scale, self.minimum = scale, minimum
+        self.bias = None if bias is None else bias.detach().float()
+        self.out_features, self.in_features = q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_int4(unpack_nibbles(self.weights, self.in_features), self.scale, self.minimum)  # [N, K]
+        y = x.float() @ w.T  # [..., N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)

@@ -1,0 +1,203 @@
+"""4-bit weights (--quantize int4): groups of 32 along K with an fp16 scale and minimum each, run by
+pagecli.native's int4 kernels (AVX512-BF16: nibbles turned into bf16 in registers; AVX2: FMA) or
+the PyTorch reference, at every level this machine builds.
+
+Tolerances: the kernels' products of bf16 activations and 4-bit weights are exact in fp32; only the
+sum order (per group, then scaled) and the final rounding to bf16 differ from float32 math on the
+dequantized weights, so a bf16 output is within 1e-2 (relative) + 1e-2 * sqrt(K) (absolute) of it, as
+the int8 tests allow; float32 outputs (AVX2) within 1e-4 * sqrt(K).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagecli import native
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+from pagecli.models.layers import Linear
+from pagecli.models.quantize_int4 import (
+    GROUP, Int4Reference, dequantize_int4, pack_nibbles, quantize_int4, unpack_nibbles,
+)
+from pagecli.native import isa
+
+COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
+ROWS = (1, 2, 3, 5, 8, 9, 13, 130)
+# K: under one group, group tails (33, 100), odd, exact groups; N: panel tails.
+SHAPES = [(33, 16), (100, 49), (576, 1000), (1, 3), (64, 48), (95, 97)]
+
+
+@pytest.fixture(scope="module", params=COMPILED_LEVELS)
+def ops(request):
+    if not native.enabled():
+        pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off")
+    module = native.cpu_ops_for(request.param)
+    if not module.int4_linear_kind():
+        pytest.skip(f"the {request.param} build has no int4 kernel")
+    return module
+
+
+def int4_weights(in_features, out_features, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed + in_features * 7 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen)  # [N, K]
+    w[min(3, out_features - 1)] = 0.5  # a flat channel: every group's scale is zero
+    b = torch.randn(out_features, generator=gen) if bias else None  # [N]
+    return (*quantize_int4(w), b), w
+
+
+def activations(rows, in_features, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed + rows)
+    return torch.randn(rows, in_features, generator=gen).to(dtype)  # [M, K]
+
+
+def test_quantizing_rounds_each_weight_to_within_half_its_groups_step():
+    w = torch.randn(37, 101, generator=torch.Generator().manual_seed(1))  # K = 3 groups + a tail of 5
+    w[5] = 2.0
+    q, scale, minimum = quantize_int4(w)
+    assert q.dtype == torch.uint8 and q.shape == w.shape and q.max() <= 15
+    assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == (37, math.ceil(101 / GROUP))
+    step = scale.float().repeat_interleave(GROUP, dim=1)[:, :101]
+    assert ((dequantize_int4(q, scale, minimum) - w).abs() <= step / 2 + 2e-3 * w.abs() + 1e-6).all()
+    assert not q[5].any() and torch.equal(dequantize_int4(q, scale, minimum)[5], w[5])
+
+
+def test_nibble_packing_round_trips_odd_widths():
+    q = torch.randint(0, 16, (5, 33), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q), 33), q)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int4_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
+    (q, scale, minimum, b), _ = int4_weights(in_features, out_features, bias)
+    layer = ops.PackedLinearInt4(q, scale, minimum, b)
+    weights = dequantize_int4(q, scale, minimum)  # [N, K] float32
+    dtypes = [torch.bfloat16] + ([torch.float32] if ops.int4_linear_kind() == "avx2" else [])
+    for dtype in dtypes:
+        atol = (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(in_features)
+        rtol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+        for rows in ROWS:
+            x = activations(rows, in_features, dtype)
+            got = layer.forward(x)
+            expected = x.float() @ weights.T + (b if bias else 0)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol,
+                                       msg=lambda m, rows=rows: f"{rows} rows: {m}")
+            reference = Int4Reference(q, scale, minimum, b).forward(x)
+            torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=rtol)
+
+
+def test_the_torch_reference_is_float32_math_on_the_dequantized_weights():
+    (q, scale, minimum, b), _ = int4_weights(100, 49, True)
+    x = activations(7, 100, torch.float32)
+    expected = x @ dequantize_int4(q, scale, minimum).T + b
+    torch.testing.assert_close(Int4Reference(q, scale, minimum, b).forward(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000)])
+def test_an_int4_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features):
+    (q, scale, minimum, b), _ = int4_weights(in_features, out_features, True)
+    layer = ops.PackedLinearInt4(q, scale, minimum, b)
+    x = activations(130, in_features, torch.bfloat16)
+    batch = layer.forward(x)
+    for m in (0, 5, 63, 129):
+        assert torch.equal(layer.forward(x[m : m + 1]), batch[m : m + 1]), f"row {m}"
+    for start, stop in ((0, 64), (3, 16), (60, 130)):
+        assert torch.equal(layer.forward(x[start:stop]), batch[start:stop]), f"rows {start}:{stop}"
+    assert torch.equal(layer.forward(x[:12].view(3, 4, in_features)), batch[:12].view(3, 4, out_features))
+
+
+def test_the_int4_kernel_refuses_what_it_cannot_take(ops):
+    (q, scale, minimum, b), _ = int4_weights(64, 48, True)
+    with pytest.raises(RuntimeError, match="uint8 \\[N, K\\]"):
+        ops.PackedLinearInt4(q.float(), scale, minimum, b)
+    with pytest.raises(RuntimeError, match="fp16 \\[N, ceil\\(K / 32\\)\\] = \\[48, 2\\]"):
+        ops.PackedLinearInt4(q, scale[:, :1].contiguous(), minimum, b)
+    with pytest.raises(RuntimeError, match="4-bit values"):
+        ops.PackedLinearInt4(q + 16, scale, minimum, b)
+    with pytest.raises(RuntimeError, match="x \\[..., 64\\]"):
+        ops.PackedLinearInt4(q, scale, minimum, b).forward(torch.zeros(2, 65, dtype=torch.bfloat16))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42], list(range(3, 40))]
+
+
+def int4_engine(folder, **config) -> Engine:
+    settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 4, "quantize": "int4", **config}
+    return Engine(str(folder), EngineConfig(**settings))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
+def test_int4_greedy_output_does_not_depend_on_batching_chunking_preemption_or_prefix_hits(tiny_model_factory, arch):
+    folder = tiny_model_factory(arch)
+    with int4_engine(folder) as engine:
+        layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
+        assert layers and all(m.weight is None and m.packed is not None for m in layers)
+        alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+        together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]  # prefix hits from the runs alone
+        assert engine.stats().prefix_hit_tokens > 0
+    with int4_engine(folder, max_num_batched_tokens=3, enable_prefix_caching=False) as engine:
+        chunked = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    with int4_engine(folder, num_blocks=14, enable_prefix_caching=False) as engine:
+        preempted = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        assert engine.stats().num_preemptions > 0, "the pool was meant to be small enough to force preemption"
+    assert together == alone and chunked == alone and preempted == alone
+
+
+@pytest.mark.parametrize("level", ["torch", *COMPILED_LEVELS])
+def test_every_level_runs_an_int4_model_on_its_own_products(tiny_model_factory, monkeypatch, level):
+    """PAGECLI_CPU_ISA=torch runs the PyTorch reference; each compiled level its own kernel. The
+    greedy tokens of a float32 model on the reference and of a bf16 model on a kernel may part ways
+    (bf16 activations), so only each prompt's first token is compared, and one of five may differ."""
+    folder = tiny_model_factory("llama")
+
+    def first_tokens(level_name, dtype):
+        monkeypatch.setenv("PAGECLI_CPU_ISA", level_name)
+        monkeypatch.setattr(native, "_state", {})
+        with int4_engine(folder, dtype=dtype) as engine:
+            products = [m.packed for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
+            on_reference = [isinstance(p, Int4Reference) for p in products]
+            outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return on_reference, [o.token_ids[0] for o in outs]
+
+    reference_flags, reference = first_tokens("torch", "float32")
+    assert all(reference_flags)
+    if level == "torch":
+        return
+    flags, got = first_tokens(level, "bfloat16")
+    assert not any(flags), f"the {level} level left products on the PyTorch reference"
+    assert sum(a == b for a, b in zip(got, reference)) >= len(PROMPTS) - 1, (got, reference)
+
+
+def test_int4_weights_count_as_their_packed_bytes(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    sizes = {}
+    for quantize in ("none", "int8", "int4"):
+        with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False, quantize=quantize)) as engine:
+            sizes[quantize] = engine.weights_bytes
+    assert sizes["int4"] < sizes["int8"] < sizes["none"]
+
+
+def test_quantized_weights_do_not_share_the_bf16_prefix_fingerprint(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    prints = set()
+    for quantize in ("none", "int8", "int4"):
+        with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False, quantize=quantize)) as engine:
+            prints.add(engine.fingerprint)
+    assert len(prints) == 3
+
+
+def test_a_layer_on_the_torch_reference_matches_the_kernel_layer(ops):
+    (q, scale, minimum, b), _ = int4_weights(96, 100, True)
+    lin = Linear(96, 100, bias=True)
+    lin.weight = torch.nn.Parameter(torch.zeros(100, 96), requires_grad=False)
+    lin.bias = torch.nn.Parameter(b, requires_grad=False)
+    lin.use_int4(q, scale, minimum, ops)
+    x = activations(3, 96, torch.bfloat16)
+    expected = Int4Reference(q, scale, minimum, b).forward(x)
+    torch.testing.assert_close(lin(x).float(), expected.float(), atol=1e-2 * math.sqrt(96), rtol=1e-2)
+    assert lin.weight is None
