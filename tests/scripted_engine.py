@@ -5,21 +5,17 @@ prompt and sampling settings the server gave it. `scripted_server` runs the real
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import uvicorn
-
 from pagecli.config import SamplingParams
 from pagecli.engine import EngineStats, RequestEvent
-from pagecli.serve.app import create_app
 from pagecli.serve.request_log import RequestLog
-from pagecli.serve.server import ServeOptions, build_state, listen_socket
+from pagecli.serve.server import ServeOptions, build_state
+from serve_helpers import serving
 
 CHARS_PER_TOKEN = 3
 CHATML_TOOLS_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools> reply with <tool_call>{% endif %}"
@@ -107,19 +103,5 @@ def scripted_server(engine: ScriptedEngine, reasoning_format: str = "separate") 
     settings = SimpleNamespace(model="scripted", sampling=SamplingParams(temperature=0, max_tokens=200))
     options = ServeOptions(port=0, grace_s=1, reasoning_format=reasoning_format)
     state = build_state(engine, settings, options, RequestLog(sink=lambda line: None))
-    sock = listen_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off"))
-    state.engine_thread.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        state.engine_thread.stop(grace_s=1)
-        sock.close()
+    with serving(state, grace_s=1) as base_url:
+        yield base_url

@@ -10,6 +10,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import openai
+import pytest
+import torch
 import uvicorn
 
 from pagecli.config import EngineConfig, SamplingParams
@@ -61,6 +64,17 @@ def running_server(model_dir: Any, api_key: str | None = None, max_pending: int 
     settings = Settings(str(model_dir), sampling or SamplingParams(temperature=0, max_tokens=8))
     options = ServeOptions(port=0, api_key=api_key, max_pending=max_pending, grace_s=2)
     state = build_state(engine, settings, options, RequestLog(sink=lines.append))
+    try:
+        with serving(state, grace_s=2) as base_url:
+            yield RunningServer(base_url, state, engine, lines)
+    finally:
+        engine.close()
+
+
+@contextmanager
+def serving(state: ServeState, grace_s: float) -> Iterator[str]:
+    """The app of `state` served by uvicorn on a free port in a thread, its engine thread running; yields
+    the base URL, and stops both."""
     sock = listen_socket("127.0.0.1", 0)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2)
@@ -73,13 +87,12 @@ def running_server(model_dir: Any, api_key: str | None = None, max_pending: int 
         assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.01)
     try:
-        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, engine, lines)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(10)
-        state.engine_thread.stop(grace_s=2)
+        state.engine_thread.stop(grace_s=grace_s)
         sock.close()
-        engine.close()
 
 
 def checked_idle(server: RunningServer) -> None:
@@ -109,3 +122,18 @@ def slow_steps(server, step_s: float = 0.01) -> None:
         return step()
 
     server.engine.step = slow_step
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    """One server on the tiny model for a whole test module (import it with `client`)."""
+    threads = torch.get_num_threads()
+    with running_server(tiny_llama) as running:
+        yield running
+        checked_idle(running)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)

@@ -8,21 +8,7 @@ import openai
 import pytest
 import torch
 
-from serve_helpers import checked_idle, running_server
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    threads = torch.get_num_threads()
-    with running_server(tiny_llama) as running:
-        yield running
-        checked_idle(running)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
+from serve_helpers import client, server  # noqa: F401 - the module's server on the tiny model, and its client
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
 

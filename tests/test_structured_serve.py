@@ -14,27 +14,13 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from serve_helpers import checked_idle, running_server
+from serve_helpers import checked_idle, client, running_server, server  # noqa: F401 - client, server: fixtures
 
 SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 99}},
          "required": ["ok", "n"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    threads = torch.get_num_threads()
-    with running_server(tiny_llama) as running:
-        yield running
-        checked_idle(running)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_json_schema_reply_validates(server, client):
