@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pagecli.config.structured import StructuredSpec
 from pagecli.errors import RequestError
 from pagecli.models.messages import Conversation
 from pagecli.models.tool_calls import parse_call_list, parse_reply, tool_format_of
-from pagecli.models.tools import ToolRequest, calls_schema, read_tool_request
+from pagecli.models.tools import ToolRequest, calls_constraint, read_tool_request
 
 RecordFields = Callable[[str, str | None], dict[str, Any]]  # (text, finish_reason) -> fields to add
 
@@ -29,13 +28,8 @@ def tools_of_line(body: dict[str, Any], prompt: Any) -> tuple[Any, ToolRequest |
         return prompt, None, {}
     if isinstance(prompt, str):
         raise RequestError("'tools' need a 'messages' conversation, not a 'prompt'")
-    if not tools.constrained:
-        return Conversation(prompt, tools.template_tools()), tools, {}
-    if body.get("response_format") is not None:
-        raise RequestError("'response_format' cannot be combined with 'tool_choice' \"required\" or a named "
-                           "function: the reply is already constrained to tool calls")
-    grammar = {"structured": StructuredSpec.json_schema(calls_schema(tools))}
-    return Conversation(prompt, tools.template_tools()), tools, grammar
+    spec = calls_constraint(tools, body.get("response_format") is not None)
+    return Conversation(prompt, tools.template_tools()), tools, {} if spec is None else {"structured": spec}
 
 
 def record_fields(tools: ToolRequest | None, chat_template: str | None) -> RecordFields | None:

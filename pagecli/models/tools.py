@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagecli.config.structured import StructuredSpec
 from pagecli.errors import RequestError
 
 AUTO, NONE, REQUIRED = "auto", "none", "required"
@@ -148,3 +149,14 @@ def _tools_text(tools: list[dict[str, Any]]) -> str:
             "To call one, reply with a JSON object with its name and arguments inside <tool_call></tool_call> "
             "tags, one per call:\n<tool_call>\n{\"name\": \"function name\", \"arguments\": {\"arg\": \"value\"}}\n"
             "</tool_call>")
+
+
+def calls_constraint(request: ToolRequest, has_response_format: bool) -> StructuredSpec | None:
+    """The grammar of a reply that must be calls ("required" or a named function), else None; the serve and
+    generate paths both ask here. RequestError where the request also sets its own response_format."""
+    if not request.constrained:
+        return None
+    if has_response_format:
+        raise RequestError("'response_format' cannot be combined with 'tool_choice' \"required\" or a named "
+                           "function: the reply is already constrained to tool calls")
+    return StructuredSpec.json_schema(calls_schema(request))

@@ -13,10 +13,9 @@ from typing import Any
 
 from pagecli.cli.batch_io import sampling_fields, sampling_with
 from pagecli.config import SamplingParams
-from pagecli.config.structured import StructuredSpec
 from pagecli.errors import PagecliError, request_failure
 from pagecli.models.messages import Conversation, read_messages
-from pagecli.models.tools import ToolRequest, calls_schema, read_tool_request
+from pagecli.models.tools import ToolRequest, calls_constraint, read_tool_request
 from pagecli.serve.errors import ApiError, bad_request
 
 MAX_N = 64  # candidates per request: each one is a running sequence
@@ -85,13 +84,8 @@ def parse_request(body: dict[str, Any], kind: str, base: SamplingParams) -> ApiR
 
 def _calls_constrained(sampling: SamplingParams, tools: ToolRequest) -> SamplingParams:
     """tool_choice "required" or a named function: the reply constrained to calls by a JSON schema."""
-    if not tools.constrained:
-        return sampling
-    if sampling.structured is not None:
-        raise bad_request("'response_format' cannot be combined with 'tool_choice' \"required\" or a named "
-                          "function: the reply is already constrained to tool calls.", param="tool_choice")
-    spec = _with_request_errors(lambda: StructuredSpec.json_schema(calls_schema(tools)))
-    return replace(sampling, structured=spec)
+    spec = _with_request_errors(lambda: calls_constraint(tools, sampling.structured is not None))
+    return sampling if spec is None else replace(sampling, structured=spec)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
