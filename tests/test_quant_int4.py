@@ -23,6 +23,7 @@ from pagecli.models.quantize_int4 import (
     GROUP, Int4Reference, dequantize_int4, pack_nibbles, quantize_int4, unpack_nibbles,
 )
 from pagecli.native import isa
+from test_quant_invariance import PROMPTS, quantized_engine
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
 ROWS = (1, 2, 3, 5, 8, 9, 13, 130)
@@ -122,30 +123,8 @@ def test_the_int4_kernel_refuses_what_it_cannot_take(ops):
         ops.PackedLinearInt4(q, scale, minimum, b).forward(torch.zeros(2, 65, dtype=torch.bfloat16))
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42], list(range(3, 40))]
-
-
 def int4_engine(folder, **config) -> Engine:
-    settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 4, "quantize": "int4", **config}
-    return Engine(str(folder), EngineConfig(**settings))
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
-def test_int4_greedy_output_does_not_depend_on_batching_chunking_preemption_or_prefix_hits(tiny_model_factory, arch):
-    folder = tiny_model_factory(arch)
-    with int4_engine(folder) as engine:
-        layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
-        assert layers and all(m.weight is None and m.packed is not None for m in layers)
-        alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-        together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]  # prefix hits from the runs alone
-        assert engine.stats().prefix_hit_tokens > 0
-    with int4_engine(folder, max_num_batched_tokens=3, enable_prefix_caching=False) as engine:
-        chunked = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    with int4_engine(folder, num_blocks=14, enable_prefix_caching=False) as engine:
-        preempted = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-        assert engine.stats().num_preemptions > 0, "the pool was meant to be small enough to force preemption"
-    assert together == alone and chunked == alone and preempted == alone
+    return quantized_engine(folder, "int4", **config)
 
 
 @pytest.mark.parametrize("level", ["torch", *COMPILED_LEVELS])

@@ -22,6 +22,7 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import Linear
 from pagecli.models.quantize import Int8Reference, dequantize_int8, quantize_int8
 from pagecli.native import isa
+from test_quant_invariance import quantized_engine
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
 ROWS = (1, 2, 3, 5, 8, 13, 130)
@@ -103,21 +104,7 @@ PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42]
 
 
 def int8_engine(folder, **config) -> Engine:
-    settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 4, "quantize": "int8", **config}
-    return Engine(str(folder), EngineConfig(**settings))
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
-def test_int8_greedy_output_does_not_depend_on_batching_or_chunking(tiny_model_factory, arch):
-    folder = tiny_model_factory(arch)
-    with int8_engine(folder) as engine:
-        layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
-        assert layers and all(m.weight is None and m.packed is not None for m in layers)
-        alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-        together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    with int8_engine(folder, max_num_batched_tokens=3) as engine:
-        chunked = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    assert together == alone and chunked == alone
+    return quantized_engine(folder, "int8", **config)
 
 
 def test_the_torch_level_runs_int8_on_the_pytorch_reference(tiny_model_factory, monkeypatch):
