@@ -33,6 +33,7 @@ FLAG_CASES = {
     "disk_cache": (["--no-disk-cache"], False),
     "cache_prefix": (["--cache-prefix"], True),
     "quantize": (["--quantize", "int8"], "int8"),
+    "kv_dtype": (["--kv-dtype", "int8"], "int8"),
     "max_tokens": (["--max-tokens", "5"], 5),
     "temperature": (["--temperature", "0.25"], 0.25),
     "top_p": (["--top-p", "0.5"], 0.5),

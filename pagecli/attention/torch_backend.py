@@ -11,6 +11,11 @@ per-sequence gather and SDPA call cost more than the arithmetic for a small mode
 on a CPU with AMX tiles, so are the prefilling sequences (1.6-2.6x PyTorch's SDPA on a step of
 many prompts or of new tokens after cached ones, even on one long prompt; docs/BENCHMARKS.md),
 each row bit-identical to what decoding its token gives.
+
+A quantized cache (--kv-dtype int8/fp8, kv_format.py) is written quantized (by the compiled store
+kernel, else by quantize_rows: the same bytes) and read widened: by the decode kernel in registers,
+elsewhere by dequantizing the gathered rows before PyTorch's attention. A float cache in another
+dtype than the model's (--kv-dtype float16 with a bfloat16 model, say) is widened the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagecli.attention.block_copy import copy_blocks
+from pagecli.attention.kv_format import dequantize_rows, format_of_cache, quantize_rows
 from pagecli.attention.metadata import AttentionMetadata
 
 
@@ -39,11 +45,18 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
     ) -> None:
         slots = meta.slot_mapping
-        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])  # [num_slots, kv_heads, head_dim]
+        kind = format_of_cache(k_cache)
+        if kind is not None and self._native_quantized(key):
+            self.cpu_ops.store_kv_quantized(key, k_cache, slots)  # the same bytes as quantize_rows
+            self.cpu_ops.store_kv_quantized(value, v_cache, slots)
+            return
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])  # [num_slots, kv_heads, row]
         flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
         if slots.numel() and bool((slots < 0).any()):
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
+        if kind is not None:
+            key, value = quantize_rows(key, kind), quantize_rows(value, kind)
         flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
 
@@ -63,11 +76,11 @@ class TorchAttentionBackend:
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         out = torch.empty_like(query)
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[3])  # [num_slots, kv_heads, row]
+        flat_v = v_cache.view(-1, num_kv_heads, k_cache.shape[3])
         start = 0
         first = 0
-        if self.cpu_ops is not None and meta.num_decode_seqs and query.device.type == "cpu":
+        if meta.num_decode_seqs and self.native_decode(query, k_cache):
             first = start = meta.num_decode_seqs  # decodes come first, one token each
             self.cpu_ops.paged_decode_attention(out[:first], query[:first], k_cache, v_cache,
                                                 meta.block_tables, meta.seq_lens, scale)
@@ -80,8 +93,9 @@ class TorchAttentionBackend:
             q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             q = query[start : start + q_len]
             slots = meta.context_slots(i, k_cache.shape[1])
-            k = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            v = flat_v.index_select(0, slots).transpose(0, 1)
+            # [kv_heads, seq_len, head_dim] in the query's dtype (a quantized or other-dtype cache is widened)
+            k = dequantize_rows(flat_k.index_select(0, slots), query.dtype).transpose(0, 1)
+            v = dequantize_rows(flat_v.index_select(0, slots), query.dtype).transpose(0, 1)
             if q_len == 1:
                 q_folded = q.view(num_kv_heads, group, head_dim)  # [kv_heads, group, head_dim]
                 o = F.scaled_dot_product_attention(q_folded, k, v, scale=scale)
@@ -91,6 +105,19 @@ class TorchAttentionBackend:
                 out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
+
+    def _native_quantized(self, rows: torch.Tensor) -> bool:
+        """Whether the compiled kernels read and write quantized caches (builds from before kv-dtype do not)."""
+        return (self.cpu_ops is not None and rows.device.type == "cpu"
+                and hasattr(self.cpu_ops, "store_kv_quantized"))
+
+    def native_decode(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """The compiled decode kernel reads caches in the query's dtype, or quantized ones."""
+        if self.cpu_ops is None or query.device.type != "cpu":
+            return False
+        if format_of_cache(k_cache) is not None:
+            return self._native_quantized(query)
+        return k_cache.dtype == query.dtype
 
     def _native_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (self.cpu_ops is not None and query.device.type == "cpu"

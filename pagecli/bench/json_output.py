@@ -25,7 +25,8 @@ def _round(value: float | None, digits: int = 6) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def memory_document(report: MemoryReport, model: ModelKV | None) -> dict[str, Any]:
+def memory_document(report: MemoryReport, model: ModelKV | None,
+                    other: tuple[str, MemoryReport] | None = None) -> dict[str, Any]:
     c = report.contiguous
     return {
         "schema": MEMORY_SCHEMA,
@@ -48,17 +49,13 @@ def memory_document(report: MemoryReport, model: ModelKV | None) -> dict[str, An
             "reserved_slots": c.reserved_slots, "wasted_slots": c.wasted_slots, "waste_share": _round(c.waste_share),
             "reserved_bytes": c.reserved_bytes, "requests_fit": c.requests_fit,
         },
-        "paged": [
-            {
-                "block_size": p.block_size, "blocks": p.blocks, "allocated_slots": p.allocated_slots,
-                "wasted_slots": p.wasted_slots, "waste_share": _round(p.waste_share),
-                "waste_bound_slots": p.waste_bound_slots, "shared_prefix_blocks": p.shared_prefix_blocks,
-                "blocks_saved_by_sharing": p.blocks_saved_by_sharing, "blocks_with_sharing": p.blocks_with_sharing,
-                "kv_bytes_per_block": p.kv_bytes_per_block, "allocated_bytes": p.allocated_bytes,
-                "bytes_with_sharing": p.bytes_with_sharing, "requests_fit": p.requests_fit,
-            }
-            for p in report.paged
-        ],
+        "paged": _paged_documents(report),
+        "kv_dtype": None if other is None else {
+            "kv_dtype": other[0], "kv_bytes_per_token": other[1].kv_bytes_per_token,
+            "contiguous": {"reserved_bytes": other[1].contiguous.reserved_bytes,
+                           "requests_fit": other[1].contiguous.requests_fit},
+            "paged": _paged_documents(other[1]),
+        },
         "requests": [
             {
                 "length": length,
@@ -74,6 +71,20 @@ def memory_document(report: MemoryReport, model: ModelKV | None) -> dict[str, An
             for i, length in enumerate(report.lengths)
         ],
     }
+
+
+def _paged_documents(report: MemoryReport) -> list[dict[str, Any]]:
+    return [
+        {
+            "block_size": p.block_size, "blocks": p.blocks, "allocated_slots": p.allocated_slots,
+            "wasted_slots": p.wasted_slots, "waste_share": _round(p.waste_share),
+            "waste_bound_slots": p.waste_bound_slots, "shared_prefix_blocks": p.shared_prefix_blocks,
+            "blocks_saved_by_sharing": p.blocks_saved_by_sharing, "blocks_with_sharing": p.blocks_with_sharing,
+            "kv_bytes_per_block": p.kv_bytes_per_block, "allocated_bytes": p.allocated_bytes,
+            "bytes_with_sharing": p.bytes_with_sharing, "requests_fit": p.requests_fit,
+        }
+        for p in report.paged
+    ]
 
 
 def _peak_mean(value: PeakMean) -> dict[str, Any]:

@@ -31,6 +31,15 @@ class ModelKV:
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
 
+    def kv_bytes_per_token_as(self, kv_dtype: str) -> int:
+        """KV bytes per token with the cache in `kv_dtype` (--kv-dtype: int8/fp8 add a 2-byte scale per row)."""
+        import torch
+
+        from pagecli.attention.kv_format import resolve_kv_format
+
+        fmt = resolve_kv_format(kv_dtype, getattr(torch, self.dtype), self.head_dim)
+        return fmt.bytes_per_token(self.num_layers, self.num_kv_heads)
+
 
 def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     """KV geometry of MODEL ('default', a folder, a .gguf file or a hub id) in the dtype the engine would use."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagecli.attention import AttentionMetadata
+from pagecli.attention.kv_format import KVFormat
 from pagecli.errors import PagecliError
 
 MIN_CTX = 8
@@ -49,16 +50,16 @@ def text_windows(token_ids: list[int], ctx: int, bos_id: int | None) -> list[lis
 
 
 @torch.inference_mode()
-def window_nll(model: Any, backend: Any, window: list[int], block_size: int, dtype: torch.dtype,
+def window_nll(model: Any, backend: Any, window: list[int], block_size: int, kv_format: KVFormat,
                device: torch.device) -> tuple[float, int]:
     """(sum of negative log-likelihoods, tokens scored) of one window's second half, from an empty
-    cache of its own (the engine's block pool is not touched)."""
+    cache of its own in the engine's KV format (the engine's block pool is not touched)."""
     ctx = len(window)
     spec = model.spec
     num_blocks = -(-ctx // block_size)
-    # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-    kv_caches = torch.empty(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                            dtype=dtype, device=device)
+    # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, row (kv_format.py)]
+    kv_caches = torch.empty(spec.num_layers, 2, *kv_format.cache_shape(num_blocks, block_size, spec.num_kv_heads),
+                            dtype=kv_format.storage_dtype, device=device)
     meta = AttentionMetadata.build([ctx], [ctx], [list(range(num_blocks))], list(range(ctx)), 0, device)
     ids = torch.tensor(window, dtype=torch.int64, device=device)  # [ctx]
     positions = torch.arange(ctx, device=device)  # [ctx]
@@ -81,8 +82,8 @@ def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, 
     loaded = engine.loaded
     nll_sum, scored, running = 0.0, 0, []
     for index, window in enumerate(windows):
-        nll, count = window_nll(loaded.model, engine.backend, window, engine.config.block_size, loaded.dtype,
-                                loaded.device)
+        nll, count = window_nll(loaded.model, engine.backend, window, engine.config.block_size,
+                                engine.kv_format, loaded.device)
         nll_sum, scored = nll_sum + nll, scored + count
         running.append(math.exp(nll_sum / scored))
         if on_window is not None:

@@ -52,6 +52,10 @@ def memory(
                               "'default' for the embedded SmolLM2); no weights are loaded.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="KV dtype with --model: auto|float32|bfloat16|float16.")]
     = "auto",
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="With --model, add columns for the KV cache in this format (int8|fp8|bfloat16|float16|"
+                           "float32, as the engine's --kv-dtype): its bytes and the requests that fit.",
+        metavar="DTYPE")] = None,
     kv_bytes_per_token: Annotated[Optional[int], typer.Option(
         "--kv-bytes-per-token", help="KV bytes per token when no --model is named.")] = None,
     budget: Annotated[Optional[str], typer.Option(
@@ -85,12 +89,17 @@ def memory(
         kv_bytes_per_token = model_kv.kv_bytes_per_token
     if max_len is None:
         max_len = model_kv.context_len if model_kv else _DEFAULT_MAX_LEN
-    report = memory_report(
-        parse_lengths(lengths, count, seed, max_len), max_len, _block_sizes(block_size), shared_prefix,
-        kv_bytes_per_token, parse_size(budget) if budget else None,
-    )
-    print_view(memory_view(report, model_kv), _console(json_path))
-    document = {**memory_document(report, model_kv), "forks": []}
+    drawn = parse_lengths(lengths, count, seed, max_len)
+    budget_bytes = parse_size(budget) if budget else None
+    report = memory_report(drawn, max_len, _block_sizes(block_size), shared_prefix, kv_bytes_per_token, budget_bytes)
+    other = None  # (format name, the same report with the cache in that format)
+    if kv_dtype is not None:
+        if model_kv is None:
+            raise PagecliError("--kv-dtype needs --model (the format's bytes depend on the model's head size).")
+        other = (kv_dtype, memory_report(drawn, max_len, _block_sizes(block_size), shared_prefix,
+                                         model_kv.kv_bytes_per_token_as(kv_dtype), budget_bytes))
+    print_view(memory_view(report, model_kv, other), _console(json_path))
+    document = {**memory_document(report, model_kv, other), "forks": []}
     if forks is not None:
         figures = _measure_forks(model, report.lengths, forks, fork_tokens, _block_sizes(block_size)[0],
                                  _console(json_path))
@@ -369,4 +378,5 @@ def run_perplexity(settings: o.RunSettings, text: str, ctx: int) -> None:
 
         result = compute(engine, text, ctx, show)
     typer.echo(f"perplexity {result.ppl:.4f}  ({engine.model_name}, quantize {settings.engine.quantize}, "
+               f"kv {engine.kv_format.name}, "
                f"{result.windows} windows of {result.ctx} tokens, {result.tokens_scored} tokens scored)")

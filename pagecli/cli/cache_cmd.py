@@ -68,10 +68,12 @@ def ls(as_json: JsonOpt = False, cache_dir: CacheDirOpt = None, profile: Profile
     if not models:
         typer.echo(f"No cached prefixes in {root}.")
         return
-    typer.echo(f"{'ID':>3}  {'MODEL':32} {'FINGERPRINT':12} {'KV':8} {'BLOCK':>5} {'ENTRIES':>8} {'SIZE':>10} "
+    kv = max(8, *(len(m.kv_dtype) for m in models))  # bfloat16, or bfloat16/kv-int8 for a quantized cache
+    typer.echo(f"{'ID':>3}  {'MODEL':32} {'FINGERPRINT':12} {'KV':{kv}} {'BLOCK':>5} {'ENTRIES':>8} {'SIZE':>10} "
                f"{'HITS':>7}  LAST USED")
     for m in models:
-        typer.echo(f"{m.model_id:>3}  {m.name[:32]:32} {m.fingerprint_id:12} {m.kv_dtype:8} {m.block_size or '?':>5} "
+        typer.echo(f"{m.model_id:>3}  {m.name[:32]:32} {m.fingerprint_id:12} {m.kv_dtype:{kv}} "
+                   f"{m.block_size or '?':>5} "
                    f"{m.entries:>8,} {format_bytes(m.num_bytes):>10} {m.hits:>7,}  {_when(m.last_used)}")
 
 

@@ -85,6 +85,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                            "32 with a scale and a minimum each (about a third); quantized at load. gguf: a .gguf "
                            "model's own Q4_0/Q4_1 blocks as they are (Q8_0 requantized to int8). CPU only.",
         metavar="KIND")),
+    Flag("kv_dtype", "kv_dtype", Optional[str], _opt(
+        "--kv-dtype", help="auto|bfloat16|float16|float32|int8|fp8: how the KV cache stores K and V (auto: the "
+                           "model's dtype). int8 and fp8 (e4m3) keep one byte per value and a scale per token and "
+                           "head: about twice the tokens in the same pool, at a small loss (docs/BENCHMARKS.md).",
+        metavar="DTYPE")),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),

@@ -15,6 +15,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 QUANTIZE_CHOICES = ("none", "int8", "int4", "gguf")  # as loaded, int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
+# How K/V lie in the pool (pagecli/attention/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
+KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
@@ -58,6 +60,7 @@ class EngineConfig:
     disk_cache_max_gib: float = 2.0  # store size cap: least recently used chain tails are pruned past it
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
     quantize: str = "none"  # decoder-layer weights quantized at load: none | int8 | int4 | gguf (CPU only)
+    kv_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype) | bfloat16 | float16 | float32 | int8 | fp8
 
     def __post_init__(self) -> None:
         _require_finite_numbers(self)
@@ -83,6 +86,8 @@ class EngineConfig:
                  "disk_cache_dir must name a directory (or be left out for the default).")
         _require(self.quantize in QUANTIZE_CHOICES,
                  f"quantize must be one of {', '.join(QUANTIZE_CHOICES)} (got '{self.quantize}').")
+        _require(self.kv_dtype in KV_DTYPE_CHOICES,
+                 f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)} (got '{self.kv_dtype}').")
 
 
 @dataclass(frozen=True)

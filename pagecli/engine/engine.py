@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pagecli.attention import select_backend
+from pagecli.attention.kv_format import kv_fingerprint_name, resolve_kv_format
 from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
 from pagecli.config.structured import StructuredSpec
 from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
@@ -115,15 +116,17 @@ class Engine:
             loaded.model.use_cpu_ops(cpu_ops, quantize=self.config.quantize)
         else:
             loaded.model.quantize_weights(self.config.quantize)  # PyTorch's int8 reference, or a refusal off the CPU
-        self.kv_bytes_per_block = spec.kv_bytes_per_token(loaded.dtype.itemsize) * self.config.block_size
+        self.kv_format = resolve_kv_format(self.config.kv_dtype, loaded.dtype, spec.head_dim)
+        kv_bytes_per_token = self.kv_format.bytes_per_token(spec.num_layers, spec.num_kv_heads)
+        self.kv_bytes_per_block = kv_bytes_per_token * self.config.block_size
         num_blocks = self._num_blocks()
         self.max_model_len = min(self._model_context_len(), num_blocks * self.config.block_size)
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
+        # Quantized weights or another KV format give other KV bytes than the model's dtype: another fingerprint.
         self.fingerprint = model_fingerprint(
-            loaded.folder, self.chat_template,
-            str(loaded.dtype).removeprefix("torch.") + ("" if self.config.quantize == "none" else f"+{self.config.quantize}"),
+            loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.config.quantize, self.kv_format),
             self.config.block_size,
-        )  # int8 weights give other KV than the model's dtype: another fingerprint
+        )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         self._warned_no_chat_template = False
@@ -188,7 +191,7 @@ class Engine:
     def _allocate_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""
         try:
-            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size)
+            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size, self.kv_format)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one too
             if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "allocate" in str(exc)):
                 raise
@@ -200,8 +203,8 @@ class Engine:
         if not (self.config.disk_cache and self.config.enable_prefix_caching):
             return None
         spec = self.loaded.spec
-        geometry = BlockGeometry(spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim,
-                                 self.loaded.dtype)
+        geometry = BlockGeometry(spec.num_layers, self.config.block_size, spec.num_kv_heads, self.kv_format.row_width,
+                                 self.kv_format.storage_dtype)
         return DiskTier.open(
             resolve_store_dir(self.config.disk_cache_dir), self.fingerprint, self.model_name, geometry,
             int(self.config.disk_cache_max_gib * (1 << 30)), self.runner.copy_blocks_in,
@@ -515,6 +518,7 @@ class Engine:
             slots_unused=sum(len(s.block_table) * self.pool.block_size - s.num_computed_tokens
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
+            kv_dtype=self.kv_format.name,
         )
 
 

@@ -1,6 +1,7 @@
 """Runs one scheduled step through the model: flat batch in, logits of the sampled positions out.
 
-Owns the KV pool tensor: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim],
+Owns the KV pool tensor: [num_layers, 2, num_blocks, block_size, kv_heads, row] (row: head_dim, or
+head_dim + 2 scale bytes for a quantized cache; pagecli/attention/kv_format.py),
 allocated once. No padding: the batch is the concatenation of every scheduled chunk.
 """
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
+from pagecli.attention.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
 
@@ -24,16 +26,19 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, backend: AttentionBackend, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 kv_format: KVFormat | None = None) -> None:
         self.loaded = loaded
         self.backend = backend
         self.block_size = block_size
         spec = loaded.spec
-        # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]. Not zeroed: a slot is
-        # written before anything reads it, and untouched pages of a large pool cost no memory.
+        fmt = kv_format or resolve_kv_format("auto", loaded.dtype, spec.head_dim)
+        # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim (+ 2 scale bytes when quantized:
+        # kv_format.py)]. Not zeroed: a slot is written before anything reads it, and untouched pages of a
+        # large pool cost no memory.
         self.kv_caches = torch.empty(
-            spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=loaded.dtype, device=loaded.device,
+            spec.num_layers, 2, *fmt.cache_shape(num_blocks, block_size, spec.num_kv_heads),
+            dtype=fmt.storage_dtype, device=loaded.device,
         )
 
     @property
@@ -83,7 +88,7 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, [s for s, _ in copies], [d for _, d in copies])
 
     def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
-        """K/V of some blocks, all layers: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        """K/V of some blocks, all layers: [num_layers, 2, len(block_ids), block_size, kv_heads, row], as stored."""
         return self.kv_caches[:, :, block_ids].cpu()
 
     def copy_blocks_in(self, block_ids: list[int], data: torch.Tensor) -> None:

@@ -44,6 +44,7 @@ class EngineStats:
     block_references: int = 0  # block-table entries of running sequences (a shared block counts once per holder)
     slots_unused: int = 0  # slots of running sequences' blocks that hold no token yet: internal fragmentation
     block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
+    kv_dtype: str = ""  # the KV cache's format (--kv-dtype resolved: the model's dtype, or int8/fp8/...)
 
     @property
     def kv_bytes_used(self) -> int:

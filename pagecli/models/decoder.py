@@ -223,7 +223,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden], the residual stream
         # The C++ loop stands for the torch backend with the same kernels (decodes only).
         if (self.decode_step is not None and meta.num_decode_seqs == meta.num_seqs
-                and getattr(backend, "cpu_ops", None) is not None):
+                and getattr(backend, "cpu_ops", None) is not None and backend.native_decode(h, kv_caches)):
             return self.decode_step.forward(h, positions, kv_caches, meta.block_tables, meta.seq_lens,
                                             meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h

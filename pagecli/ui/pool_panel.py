@@ -85,9 +85,15 @@ def occupancy_line(stats: EngineStats) -> Text:
     return line
 
 
+def _kv_format(stats: EngineStats) -> str:
+    """' int8' when the cache is not in the model's dtype (--kv-dtype), else nothing."""
+    return f" {stats.kv_dtype}" if stats.kv_dtype and stats.kv_dtype != stats.dtype else ""
+
+
 def memory_line(stats: EngineStats) -> Text:
     return Text(
-        f"{stats.num_blocks} blocks × {stats.block_size} tokens · KV {format_bytes(stats.kv_bytes_used)} used of "
+        f"{stats.num_blocks} blocks × {stats.block_size} tokens · KV{_kv_format(stats)} "
+        f"{format_bytes(stats.kv_bytes_used)} used of "
         f"{format_bytes(stats.kv_bytes_total)} ({_percent(stats.kv_bytes_used, stats.kv_bytes_total)}) · "
         f"{stats.tokens_that_fit:,} tokens still fit"
     )

@@ -70,11 +70,17 @@ def _table(title: str, *columns: str, notes: bool = False) -> Table:
 # --- bench memory -------------------------------------------------------------------------------
 
 
-def memory_view(report: MemoryReport, model: ModelKV | None) -> RenderableType:
+def memory_view(report: MemoryReport, model: ModelKV | None,
+                other: tuple[str, MemoryReport] | None = None) -> RenderableType:
+    """`other`: the same requests with the KV cache in another format (--kv-dtype): bytes columns beside."""
     parts: list[RenderableType] = [_memory_heading(report, model)]
+    if other is not None:
+        parts.append(Text(f"--kv-dtype {other[0]}: {other[1].kv_bytes_per_token:,} KV bytes per token "
+                          f"({_ratio_text(report.kv_bytes_per_token, other[1].kv_bytes_per_token)} the tokens "
+                          f"in the same memory)\n"))
     if report.num_requests <= MAX_REQUEST_ROWS:
         parts.append(_request_table(report))
-    parts.append(_totals_table(report))
+    parts.append(_totals_table(report, other))
     parts.append(_memory_notes(report))
     return Group(*parts)
 
@@ -110,15 +116,22 @@ def _request_table(report: MemoryReport) -> Table:
     return table
 
 
-def _totals_table(report: MemoryReport) -> Table:
+def _ratio_text(ours: int | None, theirs: int | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def _totals_table(report: MemoryReport, other: tuple[str, MemoryReport] | None = None) -> Table:
+    """Slot rows are the same in any KV format; with `other`, its bytes and fits come in columns of their own."""
     c = report.contiguous
+    extra = [] if other is None else [f"b{p.block_size} {other[0]}" for p in other[1].paged]
     table = _table("All requests (bN: paged, block size N)", "", "contiguous",
-                   *(f"b{p.block_size}" for p in report.paged))
+                   *(f"b{p.block_size}" for p in report.paged), *extra)
     for column in table.columns[2:]:
         column.style = "green"
+    alt = [] if other is None else list(other[1].paged)
 
-    def row(name: str, contiguous: str, paged: list[str]) -> None:
-        table.add_row(name, contiguous, *paged)
+    def row(name: str, contiguous: str, paged: list[str], alt_paged: list[str] | None = None) -> None:
+        table.add_row(name, contiguous, *paged, *(alt_paged if alt_paged is not None else ["" for _ in alt]))
 
     held = "slots held, unshared" if report.shared_prefix_tokens else "slots held"
     row(held, _int(c.reserved_slots), [_int(p.allocated_slots) for p in report.paged])
@@ -130,12 +143,14 @@ def _totals_table(report: MemoryReport) -> Table:
         row("blocks saved by prefix", "-", [_int(p.blocks_saved_by_sharing) for p in report.paged])
         row("blocks, prefix shared", "-", [_int(p.blocks_with_sharing) for p in report.paged])
     if report.kv_bytes_per_token is not None:
-        row("KV per block", "-", [_bytes(p.kv_bytes_per_block) for p in report.paged])
+        row("KV per block", "-", [_bytes(p.kv_bytes_per_block) for p in report.paged],
+            [_bytes(p.kv_bytes_per_block) for p in alt])
         row("KV bytes", _bytes(c.reserved_bytes),
-            [_bytes(p.bytes_with_sharing) for p in report.paged])
+            [_bytes(p.bytes_with_sharing) for p in report.paged], [_bytes(p.bytes_with_sharing) for p in alt])
     if report.budget_bytes is not None:
         table.add_row(f"fit in {format_bytes(report.budget_bytes)}", _int(c.requests_fit),
-                      *(_int(p.requests_fit) for p in report.paged), style="bold")
+                      *(_int(p.requests_fit) for p in report.paged), *(_int(p.requests_fit) for p in alt),
+                      style="bold")
     return table
 
 
