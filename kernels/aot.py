@@ -2,7 +2,7 @@
 a machine without a GPU: `python -m pagecli.kernels.aot [--arch 80,86,89,90] [--sample] [--json]`.
 
 The matrix is not written by hand: each case (a supported model's head shape, a dtype, a block size, a
-split count) runs the real `TritonAttentionBackend` on meta tensors with the launches intercepted, so
+split count, a KV cache format) runs the real `TritonAttentionBackend` on meta tensors with the launches intercepted, so
 every specialization recorded is one the engine makes, with the constexprs, launch options and the
 16-divisibility hints Triton would derive from those arguments. Each distinct one is compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` and the wheel's own ptxas, whose
@@ -65,6 +65,8 @@ MODEL_SHAPES = (
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype choices on CUDA; the KV cache takes the model's dtype
 BLOCK_SIZES = (8, 16, 32)  # 16 is every profile's; any size >= 1 is accepted
 NUM_SPLITS = (1, 2, 4, 8, 16)  # choose_num_splits' powers of two up to MAX_SPLITS
+# --kv-dtype: the model's dtype, or int8/fp8 rows with a scale (kv_format.py), which the kernels read otherwise.
+KV_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -93,26 +95,32 @@ class Case:
     block_size: int
     num_splits: int
     layout: StepLayout = STEP_LAYOUTS[0]
+    kv_dtype: str = "auto"
 
 
 def full_matrix(layouts: tuple[StepLayout, ...] = STEP_LAYOUTS) -> list[Case]:
     """Every combination of the axes."""
-    axes = (MODEL_SHAPES, DTYPES, BLOCK_SIZES, NUM_SPLITS, layouts)
+    axes = (MODEL_SHAPES, DTYPES, BLOCK_SIZES, NUM_SPLITS, layouts, KV_DTYPES)
     return [Case(*combo) for combo in itertools.product(*axes)]
 
 
 def covering_sample() -> list[Case]:
     """Few cases that still take every value of every axis at least once: the head geometry split into
-    its own axes (GQA group, head size, KV heads), case i takes value i mod n of each."""
+    its own axes (GQA group, head size, KV heads), case i takes value i mod n of each. Then fewer cases
+    with quantized caches, whose kernels differ most by the dtype they widen to and the head size: case i
+    takes format i mod 2 and dtype i mod 3, so every pair of the two occurs, and every head size."""
     groups = sorted({shape.num_heads // shape.num_kv_heads for shape in MODEL_SHAPES})
     head_dims = sorted({shape.head_dim for shape in MODEL_SHAPES})
     kv_heads = sorted({shape.num_kv_heads for shape in MODEL_SHAPES})
+    quantized = KV_DTYPES[1:]
     axes = (groups, head_dims, kv_heads, DTYPES, BLOCK_SIZES, NUM_SPLITS, STEP_LAYOUTS)
     cases = []
-    for i in range(max(len(axis) for axis in axes)):
-        group, head_dim, kv, dtype, block_size, num_splits, layout = (axis[i % len(axis)] for axis in axes)
-        shape = ModelShape(f"g{group} d{head_dim} kv{kv}", group * kv, kv, head_dim)
-        cases.append(Case(shape, dtype, block_size, num_splits, layout))
+    for kv_axis, num_cases in ((("auto",), max(len(axis) for axis in axes)),
+                               (quantized, max(len(quantized) * len(DTYPES), len(head_dims)))):
+        for i in range(num_cases):
+            group, head_dim, kv, dtype, block_size, num_splits, layout = (axis[i % len(axis)] for axis in axes)
+            shape = ModelShape(f"g{group} d{head_dim} kv{kv}", group * kv, kv, head_dim)
+            cases.append(Case(shape, dtype, block_size, num_splits, layout, kv_axis[i % len(kv_axis)]))
     return cases
 
 
@@ -133,9 +141,12 @@ class Specialization:
 
     @property
     def dtype(self) -> str:
-        """The model's dtype: its 16-bit tensors' type, else fp32 (fp32 partials alone don't make an fp32 model)."""
-        kinds = [kind[1:] for _, kind in self.signature if kind.startswith("*") and kind[1:] not in ("i32", "i64")]
-        return next((kind for kind in kinds if kind != "fp32"), "fp32")
+        """The model's dtype: its 16-bit tensors' type, else fp32 (fp32 partials alone don't make an fp32 model);
+        '+kv-int8' or '+kv-fp8' after it for a kernel on a quantized cache."""
+        kinds = [kind[1:] for _, kind in self.signature if kind.startswith(("*fp", "*bf"))]
+        model = next((kind for kind in kinds if kind != "fp32"), "fp32")
+        kv_format = dict(self.constexprs).get("KV_FORMAT", "float")
+        return model if kv_format == "float" else f"{model}+kv-{kv_format}"
 
     def label(self) -> str:
         """The constexprs that make this specialization, abbreviated (_ABBREVIATIONS): 'g=4 ... d=128 n=32 w4 s2'."""
@@ -146,7 +157,7 @@ class Specialization:
 
 _ABBREVIATIONS = {"GROUP": "g", "GROUP_PAD": "gpad", "BLOCK_SIZE": "bs", "HEAD_DIM_PAD": "d", "BLOCK_N": "n",
                   "NUM_SPLITS": "splits", "SPLITS_PAD": "spad", "FP32_DOT": "ieee", "BLOCK_Q": "q", "BLOCK_M": "m",
-                  "HEADS_PAD": "heads"}
+                  "HEADS_PAD": "heads", "KV_FORMAT": "kv"}
 
 
 # --- the matrix: what the backend launches --------------------------------------------------------
@@ -156,6 +167,7 @@ def launches_of(case: Case) -> list[Specialization]:
     """The kernel launches one engine step makes for this case (a decode and a prefill in one batch)."""
     import torch
 
+    from pagecli.attention.kv_format import resolve_kv_format
     from pagecli.attention.metadata import AttentionMetadata
     from pagecli.attention.triton_backend import TritonAttentionBackend
     from pagecli.kernels import decode
@@ -175,9 +187,10 @@ def launches_of(case: Case) -> list[Specialization]:
     q = q.view(num_tokens, shape.num_heads, shape.head_dim)
     k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
     v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
-    # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], as the model runner allocates; layer 1.
-    kv_cache = torch.empty(2, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype,
-                           device=device)[1]
+    # [num_layers, 2, num_blocks, block_size, kv_heads, row], as the model runner allocates; layer 1.
+    kv_format = resolve_kv_format(case.kv_dtype, dtype, shape.head_dim)
+    kv_cache = torch.empty(2, 2, *kv_format.cache_shape(num_blocks, block_size, shape.num_kv_heads),
+                           dtype=kv_format.storage_dtype, device=device)[1]
     meta = AttentionMetadata(
         slot_mapping=torch.empty(num_tokens, dtype=torch.int64, device=device),
         query_start_loc=torch.empty(num_seqs + 1, dtype=torch.int32, device=device),

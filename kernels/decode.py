@@ -19,7 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, kv_tile_tokens, load_kv_tile, online_softmax_step
+from pagecli.kernels.common import (
+    LOG2_E,
+    cache_head_dim,
+    dot_dtype,
+    fp32_dot,
+    interpreting,
+    kv_format_of,
+    kv_tile_tokens,
+    load_kv_tile,
+    load_quantized_kv_tile,
+    online_softmax_step,
+    tile_element_bytes,
+)
 
 MAX_SPLITS = 16  # beyond this the merge costs more than the extra parallelism gains
 MIN_SPLIT_TOKENS = 256  # a shorter split spends more on its own setup and merge than on its tokens
@@ -28,7 +40,7 @@ MIN_SPLIT_TOKENS = 256  # a shorter split spends more on its own setup and merge
 @triton.jit
 def _decode_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim], or head_dim + 2 bytes when quantized
     v_cache_ptr,
     block_tables_ptr,  # [batch, max_blocks] int32
     seq_lens_ptr,  # [batch] int32
@@ -53,6 +65,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FORMAT: tl.constexpr,  # "float" (the cache's dtype), "int8" or "fp8" (common.load_quantized_kv_tile)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -79,7 +92,7 @@ def _decode_kernel(
     q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
     if FP32_DOT:
         q = q.to(tl.float32)
-    else:
+    elif KV_FORMAT == "float":
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -91,12 +104,18 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = positions < end
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
-            stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE, FP32_DOT,
-        )  # [BLOCK_N, D_PAD] each
-
-        scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+        if KV_FORMAT == "float":
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
+                stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE, FP32_DOT,
+            )  # [BLOCK_N, D_PAD] each
+            scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+        else:
+            k, k_scale, v = load_quantized_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
+                stride_cache_block, stride_cache_slot, head_offset, head_dim, q.dtype, BLOCK_SIZE, KV_FORMAT,
+            )  # [BLOCK_N, D_PAD], [BLOCK_N], [BLOCK_N, D_PAD]
+            scores = fp32_dot(q, tl.trans(k), FP32_DOT) * (k_scale * qk_scale)[None, :]  # log2 domain
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))  # each tile has a valid position
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT)
 
@@ -168,7 +187,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 def paged_decode_attention(
     query: torch.Tensor,  # [batch, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 scale bytes when int8/uint8)]
     v_cache: torch.Tensor,  # same shape and strides as k_cache
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
     seq_lens: torch.Tensor,  # [batch] int32, context length including the query token
@@ -185,8 +204,9 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
-    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
+    assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride(), "k/v caches must share one layout"
     assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert cache_head_dim(k_cache) == head_dim, "the cache's rows do not match head_dim"
     if out is None:
         out = torch.empty_like(query)
     if batch == 0:
@@ -201,6 +221,8 @@ def paged_decode_attention(
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
         stride_split = partial.stride(2)
+    kv_format = kv_format_of(k_cache)
+    dots_in = dot_dtype(k_cache, query)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -225,9 +247,10 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=kv_tile_tokens(head_dim_pad, k_cache.element_size(), most=64),
+        BLOCK_N=kv_tile_tokens(head_dim_pad, tile_element_bytes(k_cache), most=64),
         NUM_SPLITS=num_splits,
-        FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
+        FP32_DOT=interpreting() or dots_in == torch.float32,
+        KV_FORMAT=kv_format,
         num_warps=4,
         num_stages=2,
     )

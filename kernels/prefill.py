@@ -14,13 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecli.kernels.common import LOG2_E, fp32_dot, interpreting, kv_tile_tokens, load_kv_tile, online_softmax_step
+from pagecli.kernels.common import (
+    LOG2_E,
+    cache_head_dim,
+    dot_dtype,
+    fp32_dot,
+    interpreting,
+    kv_format_of,
+    kv_tile_tokens,
+    load_kv_tile,
+    load_quantized_kv_tile,
+    online_softmax_step,
+    tile_element_bytes,
+)
 
 
 @triton.jit
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim], or head_dim + 2 bytes when quantized
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32, rows of query_ptr
@@ -43,6 +55,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FORMAT: tl.constexpr,  # "float" (the cache's dtype), "int8" or "fp8" (common.load_quantized_kv_tile)
 ):
     seq = tl.program_id(0).to(tl.int64)
     q_block = tl.program_id(1)
@@ -69,7 +82,7 @@ def _prefill_kernel(
     q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)  # [BLOCK_M, D_PAD]
     if FP32_DOT:
         q = q.to(tl.float32)
-    else:
+    elif KV_FORMAT == "float":
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -83,12 +96,18 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = positions < kv_end
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
-            stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE, FP32_DOT,
-        )  # [BLOCK_N, D_PAD] each
-
-        scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        if KV_FORMAT == "float":
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
+                stride_cache_block, stride_cache_slot, head_offset, BLOCK_SIZE, FP32_DOT,
+            )  # [BLOCK_N, D_PAD] each
+            scores = fp32_dot(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        else:
+            k, k_scale, v = load_quantized_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
+                stride_cache_block, stride_cache_slot, head_offset, head_dim, q.dtype, BLOCK_SIZE, KV_FORMAT,
+            )  # [BLOCK_N, D_PAD], [BLOCK_N], [BLOCK_N, D_PAD]
+            scores = fp32_dot(q, tl.trans(k), FP32_DOT) * (k_scale * qk_scale)[None, :]  # log2 domain
         visible = (positions[None, :] <= query_pos[:, None]) & pos_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         # Position 0 is visible to every row, so each row has a finite score in the first tile.
@@ -101,7 +120,7 @@ def _prefill_kernel(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], new K already stored
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 bytes if int8/uint8)], new K stored
     v_cache: torch.Tensor,  # same shape and strides as k_cache, new V already stored
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, rows of query; need not start at 0
@@ -120,17 +139,23 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     assert query_start_loc.shape == (num_seqs + 1,)
-    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
+    assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride(), "k/v caches must share one layout"
     assert query.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert cache_head_dim(k_cache) == head_dim, "the cache's rows do not match head_dim"
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    kv_format = kv_format_of(k_cache)
+    dots_in = dot_dtype(k_cache, query)
     # Wide rows (fp32 from head_dim 128, 16-bit at 256) halve the query tile to keep registers unspilled.
-    row_bytes = head_dim_pad * k_cache.element_size()
-    block_m = max(64 if row_bytes <= 256 else 32, triton.next_power_of_2(group))
+    row_bytes = head_dim_pad * dots_in.itemsize
+    block_m = 64 if row_bytes <= 256 else 32
+    if kv_format != "float" and dots_in == torch.float32:
+        block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.kernels.aot)
+    block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
@@ -156,8 +181,9 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=kv_tile_tokens(head_dim_pad, k_cache.element_size(), most=32),
-        FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
+        BLOCK_N=kv_tile_tokens(head_dim_pad, tile_element_bytes(k_cache), most=32),
+        FP32_DOT=interpreting() or dots_in == torch.float32,
+        KV_FORMAT=kv_format,
         num_warps=8,  # with 4, a 64-row tile needs over 128 registers a thread (sm_80: 19% occupancy, or spills)
         num_stages=2,
     )

@@ -1,6 +1,7 @@
 """pagecli's CPU kernels on SmolLM2-135M's shapes, against what they replace.
 
     .venv/bin/python scripts/bench_cpu_kernels.py [--threads 2]
+    .venv/bin/python scripts/bench_cpu_kernels.py --kv-attention [--kv-dtype int8 fp8] [--kv-layers 4]
 
 Prints, best of several repeats (run it on an otherwise idle machine):
   weights   every projection of the 30 layers and the 49,152-row output layer, once, for 1..128
@@ -12,6 +13,10 @@ Prints, best of several repeats (run it on an otherwise idle machine):
             prefill attention of three steps, the AMX kernel against PyTorch's SDPA
   step      one decode token through the whole model (no engine): DecodeStep (C++) against the
             Python layer loop with the same kernels
+
+--kv-attention prints only issue 18's case, on the kernels of the level this process runs (any level,
+AVX2 included): decode attention over 64 sequences of 2,000-4,000 tokens at SmolLM2-135M's attention
+shape, a bf16 cache against int8 and fp8 ones (kv_format.py), ms per layer and the speed-up.
 """
 
 from __future__ import annotations
@@ -46,8 +51,16 @@ def best_ms(fn: Callable[[], object], inner: int = 5, repeats: int = 7) -> float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-attention", action="store_true", help="only decode attention over bf16, int8 and fp8 caches")
+    ap.add_argument("--kv-dtype", nargs="+", default=["int8", "fp8"], choices=["int8", "fp8"])
+    ap.add_argument("--kv-layers", type=int, default=4, help="layers, each its own cache (more than the L3 cache holds)")
+    ap.add_argument("--kv-float", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                    help="the float cache (and query dtype) the quantized ones are compared with: bfloat16, or "
+                         "float32, the dtype pagecli runs in on CPUs without AVX512-BF16 (AVX2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kv_attention:
+        return quantized_kv_attention(args.kv_dtype, args.kv_layers, getattr(torch, args.kv_float))
     os.environ["PAGECLI_PACKED_GEMM"] = "0"  # the row-layout weights are what this script times and packs
     engine = Engine(None, EngineConfig(dtype="bfloat16", disk_cache=False))
     model, runner, backend = engine.loaded.model, engine.runner, engine.backend
@@ -125,6 +138,48 @@ def scattered_case(spec, bs: int, seq_lens: list[int], query_lens: list[int], se
     caches = torch.randn(spec.num_layers, 2, num_blocks, bs, spec.num_kv_heads, spec.head_dim, generator=gen)
     query = torch.randn(sum(query_lens), spec.num_heads, spec.head_dim, generator=gen).bfloat16()
     return meta, caches.bfloat16(), query
+
+
+def quantized_kv_attention(kv_dtypes: list[str], num_layers: int, float_dtype: torch.dtype,
+                           block_size: int = 16) -> None:
+    """Decode attention over 64 sequences of 2,000-4,000 tokens in shuffled blocks (SmolLM2-135M's 9
+    query heads, 3 kv heads, head_dim 64), each layer its own cache: float_dtype's, then each quantized
+    format (the query in float_dtype throughout)."""
+    from pagecli import native
+    from pagecli.attention.kv_format import quantize_rows
+
+    ops = native.cpu_ops()
+    if ops is None or not hasattr(ops, "store_kv_quantized"):
+        raise SystemExit(f"needs pagecli's CPU kernels with quantized KV ({native.unavailable_reason()})")
+    heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(2000, 4001, (64,), generator=gen).tolist()
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(order[used : used + -(-n // block_size)])
+        used += len(tables[-1])
+    meta = AttentionMetadata.build([1] * 64, lens, tables, [0] * 64, 64)
+    query = torch.randn(64, heads, head_dim, generator=gen).to(float_dtype)
+    out = torch.empty_like(query)
+    values = [torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(float_dtype)
+              for _ in range(num_layers)]  # [K/V, blocks, block_size, kv_heads, head_dim] per layer
+    print(f"level {native.level()}, {torch.get_num_threads()} threads; decode attention, 64 sequences of "
+          f"{min(lens)}-{max(lens)} tokens (block size {block_size}), {num_layers} layers each its own cache:")
+    times = {}
+    base = str(float_dtype).removeprefix("torch.")
+    for name in [base, *kv_dtypes]:
+        caches = values if name == base else [quantize_rows(layer, name) for layer in values]
+        kv_bytes = sum(layer.numel() * layer.element_size() for layer in caches) * sum(lens) / (num_blocks * block_size)
+        ms = best_ms(lambda: [ops.paged_decode_attention(out, query, layer[0], layer[1], meta.block_tables,
+                                                         meta.seq_lens, 0.125) for layer in caches],
+                     inner=1, repeats=5) / num_layers
+        times[name] = ms
+        speedup = "" if name == base else f", {times[base] / ms:.2f}x {base}'s speed"
+        print(f"  {name:9s} cache: {ms:7.2f} ms per layer ({kv_bytes / num_layers / ms / 1e6:.1f} GB/s of K/V){speedup}",
+              flush=True)
+        del caches
 
 
 def batch_attention(ops, spec, bs: int) -> None:

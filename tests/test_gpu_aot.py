@@ -33,14 +33,21 @@ def test_every_axis_value_compiles_for_sm80_and_sm90_without_spills_within_share
     assert run.returncode == 0, run.stderr[-2000:]
     kernels = {(r["kernel"], r["arch"]) for r in report["results"]}
     assert kernels == {(k, a) for k in ("store_kv", "decode", "merge_splits", "prefill") for a in (80, 90)}
+    # The quantized-cache variants (--kv-dtype int8|fp8) of the kernels that touch the cache, with every model dtype.
+    quantized = {(r["kernel"], r["arch"], r["dtype"]) for r in report["results"] if "+kv-" in r["dtype"]}
+    assert quantized == {(k, a, f"{d}+kv-{f}") for k in ("store_kv", "decode", "prefill") for a in (80, 90)
+                         for d in ("bf16", "fp16", "fp32") for f in ("int8", "fp8")}
     assert all(0 < r["registers"] <= 255 and r["occupancy"] > 0 for r in report["results"])
 
 
 def test_the_sample_covers_every_value_of_every_axis():
     cases = aot.covering_sample()
     full = aot.full_matrix()
-    for axis in ("dtype", "block_size", "num_splits", "layout"):
+    for axis in ("dtype", "block_size", "num_splits", "layout", "kv_dtype"):
         assert {getattr(c, axis) for c in cases} == {getattr(c, axis) for c in full}
+    quantized = [c for c in cases if c.kv_dtype != "auto"]
+    assert {(c.kv_dtype, c.dtype) for c in quantized} == {(k, d) for k in ("int8", "fp8") for d in aot.DTYPES}
+    assert {c.shape.head_dim for c in quantized} == {s.head_dim for s in aot.MODEL_SHAPES}
     assert {c.shape.head_dim for c in cases} == {s.head_dim for s in aot.MODEL_SHAPES}
     assert {c.shape.num_heads // c.shape.num_kv_heads for c in cases} == {
         s.num_heads // s.num_kv_heads for s in aot.MODEL_SHAPES}
@@ -64,6 +71,12 @@ def test_matrix_comes_from_the_backends_launches_with_tile_shapes_and_hints():
     table_hints = {("stride_table_seq" in s["divisible_args"], s["constexprs"].get("stride_table_seq"))
                    for s in llama_8b if s["kernel"] == "decode"}
     assert table_hints == {(True, None), (False, None), (False, 1)}
+    # A quantized cache: the same kernels read its rows as bytes (int8 or uint8) with the scale behind them.
+    for kv_format in ("int8", "fp8"):
+        launched = [s for s in specs
+                    if "Llama-3.1-8B/Mistral-7B" in s["models"] and s["dtype"] == f"bf16+kv-{kv_format}"]
+        assert {s["kernel"] for s in launched} == {"store_kv", "decode", "prefill"}
+        assert all(s["constexprs"]["KV_FORMAT"] == kv_format for s in launched)
 
 
 def _result(**overrides) -> aot.CompileResult:

@@ -38,6 +38,8 @@ _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in (
     "bindings.cpp",           # the module: every entry point below, bound once
     "decode_attention.cpp",   # paged decode attention (AVX-512, AMX)
+    "decode_attention_quantized.cpp",  # paged decode attention over int8/fp8 caches (AVX2, every level)
+    "kv_quant.cpp",           # storing K/V rows into int8/fp8 caches
     "prefill_attention.cpp",  # paged prefill attention (AMX)
     "linear.cpp",             # products over row-layout weights: rows kernel, AMX tiles, native_linear
     "gemm_bf16.cpp",          # the packed bf16 GEMM (AVX512-BF16)
@@ -48,7 +50,7 @@ _SOURCES = tuple(_HERE / name for name in (
 ))
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
-    "decode_step.h",
+    "decode_step.h", "kv_quant.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

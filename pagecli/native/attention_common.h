@@ -304,8 +304,9 @@ inline void pack_v_step(const c10::BFloat16* v_ptr, const int32_t* table, int64_
 #endif
 
 // The inputs both paged-attention entry points take: query and out [tokens, heads, head_dim] with
-// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype, and
-// int32 block tables and lengths for num_seqs sequences.
+// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype (or
+// quantized, [..., head_dim + 2] int8/uint8: kv_quant.h), and int32 block tables and lengths for
+// num_seqs sequences.
 void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                         int64_t num_seqs);

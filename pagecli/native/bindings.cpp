@@ -14,6 +14,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pagecli::paged_decode_attention, "Paged decode attention, one query token per sequence");
+  m.def("store_kv_quantized", &pagecli::store_kv_quantized,
+        "K or V rows into the slots of an int8/fp8 cache, as kv_format.quantize_rows writes them");
   m.def("paged_prefill_attention", &pagecli::paged_prefill_attention, "Causal paged attention for prefilling sequences (AMX, bf16)");
   m.def("paged_prefill_supported", &pagecli::paged_prefill_supported, "Whether paged_prefill_attention takes such query and cache");
   m.def("linear_bf16_rows", &pagecli::linear_bf16_rows, "bf16 linear for a few rows (AVX512-BF16)");

@@ -13,11 +13,18 @@
 
 namespace pagecli {
 
-// decode_attention.cpp: one query token per sequence, query and out [num_seqs, heads, head_dim].
+// decode_attention.cpp: one query token per sequence, query and out [num_seqs, heads, head_dim];
+// the caches in the query's dtype, or int8/fp8 (kv_format.py, decode_attention_quantized.cpp).
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 
-// prefill_attention.cpp: causal attention of prefilling sequences' new tokens (AMX, bf16 caches).
+// kv_quant.cpp: rows [num_tokens, kv_heads, head_dim] (float32/bf16/fp16) into slots [num_tokens] int64
+// (-1: skip) of an int8 or fp8 cache [num_blocks, block_size, kv_heads, head_dim + 2], as
+// kv_format.quantize_rows writes them.
+void store_kv_quantized(torch::Tensor rows, torch::Tensor cache, torch::Tensor slots);
+
+// prefill_attention.cpp: causal attention of prefilling sequences' new tokens (AMX, bf16 caches;
+// false from paged_prefill_supported for any other cache, quantized ones included).
 bool paged_prefill_supported(const torch::Tensor& query, const torch::Tensor& k_cache);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start,

@@ -1,8 +1,10 @@
 // Paged decode attention: one query token per sequence over its paged context, on AVX-512 (any
-// float dtype) or AMX tiles (bf16), with a shared prompt prefix widened or multiplied once.
+// float dtype) or AMX tiles (bf16), with a shared prompt prefix widened or multiplied once; int8 and
+// fp8 caches go to decode_attention_quantized.cpp.
 
 #include "attention_common.h"
 #include "cpu_ops.h"
+#include "kv_quant.h"
 
 namespace pagecli {
 namespace {
@@ -370,8 +372,9 @@ void paged_decode_for_dim(torch::Tensor& out, const torch::Tensor& query, const 
 }  // namespace
 
 // The inputs both paged-attention entry points take: query and out [tokens, heads, head_dim] with
-// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype, and
-// int32 block tables and lengths for num_seqs sequences.
+// contiguous rows, K/V caches [num_blocks, block_size, kv_heads, head_dim] of their dtype (or
+// quantized, [..., head_dim + 2] int8/uint8: kv_quant.h), and int32 block tables and lengths for
+// num_seqs sequences.
 void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                         int64_t num_seqs) {
@@ -380,11 +383,18 @@ void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, co
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, out and cache must share a dtype");
+  if (is_quantized_kv(k_cache.scalar_type())) {  // rows of head_dim bytes and an fp16 scale (kv_quant.h)
+    TORCH_CHECK(k_cache.size(3) == query.size(2) + kKvScaleBytes && query.size(2) % 16 == 0,
+                "a quantized cache's rows must be head_dim + 2 bytes, head_dim a multiple of 16");
+    TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+                "k_cache and v_cache must share a format, query and out a dtype");
+  } else {
+    TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and cache differ");
+    TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                    out.scalar_type() == query.scalar_type(),
+                "query, out and cache must share a dtype");
+  }
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) >= num_seqs,
               "block_tables must be contiguous int32 with a row per sequence");
@@ -395,6 +405,7 @@ void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, co
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   check_paged_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, query.size(0));
+  if (is_quantized_kv(k_cache.scalar_type())) return paged_decode_quantized(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_for_dim<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });

@@ -4,6 +4,7 @@
 #include "decode_step.h"
 
 #include "cpu_ops.h"
+#include "kv_quant.h"
 
 #include <cstring>
 
@@ -41,9 +42,11 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
 torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                                   torch::Tensor seq_lens, torch::Tensor slots) const {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [rows, hidden] tensor");
+  const bool quantized = is_quantized_kv(kv_caches.scalar_type());
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == static_cast<int64_t>(layers_.size()) &&
-                  kv_caches.is_contiguous() && kv_caches.scalar_type() == h.scalar_type(),
-              "kv_caches must be contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype");
+                  kv_caches.is_contiguous() && (quantized || kv_caches.scalar_type() == h.scalar_type()),
+              "kv_caches must be contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype, "
+              "or int8/uint8 [..., head_dim + 2]");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == h.size(0),
               "slots must be contiguous int64, one per row");
   const int64_t rows = h.size(0);
@@ -64,8 +67,13 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
     rotary_(k, positions, cos_, sin_);
     auto k_cache = kv_caches.select(0, i).select(0, 0);
     auto v_cache = kv_caches.select(0, i).select(0, 1);
-    store_rows(k, k_cache, slots);
-    store_rows(v, v_cache, slots);
+    if (quantized) {
+      store_kv_quantized(k, k_cache, slots);
+      store_kv_quantized(v, v_cache, slots);
+    } else {
+      store_rows(k, k_cache, slots);
+      store_rows(v, v_cache, slots);
+    }
     auto attn = torch::empty({rows, num_heads_, head_dim_}, h.options());
     paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale_);
     delta = product(i, 1, attn.view({rows, q_size}));

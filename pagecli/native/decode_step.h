@@ -32,7 +32,8 @@ class DecodeStep {
              torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
 
   // h [rows, hidden] (the embeddings; used as the residual stream), positions [rows] int64,
-  // kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim], block_tables/seq_lens as for
+  // kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype, or int8/fp8
+  // [..., head_dim + 2] (kv_format.py: stored by store_kv_quantized), block_tables/seq_lens as for
   // paged_decode_attention, slots [rows] int64 (-1: do not store). Returns the final norm's output.
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                         torch::Tensor seq_lens, torch::Tensor slots) const;
