@@ -3,16 +3,30 @@
 ttft: one n=N request against n=1 on the same prompt, alternating, prefix caching and the disk
 store off (every repetition prefills); issue 27's target is a ratio <= 1.2.
 throughput: P prompts x n=N x T tokens as P forked requests, against the same P*N sequences sent
-as separate requests with prefix caching on (disk store off). Usage:
+as separate requests with prefix caching on (disk store off), and with --vllm-python against vLLM's
+CPU build running the same token ids as P requests with SamplingParams(n=N) (temperature 1.0, EOS
+ignored, unseeded: see VLLM_FORKS_DRIVER; prefix caching on, pagecli's dtype unless --vllm-dtype;
+its knobs and core binding are bench_peers.py's, from peer_drivers.py). Output tokens/s is output
+tokens over the wall time of the whole batch, after a warm-up. --reps R alternates pagecli forked and vLLM R times, each
+round on prompts of its own (so each round prefills in both engines), and prints medians and ranges;
+vLLM stays one process, so it compiles its model once (minutes) before the first round. Usage:
     .venv/bin/python scripts/bench_forks.py ttft [--threads 2] [--reps 7] [--prompt-tokens 512] [--n 8]
     .venv/bin/python scripts/bench_forks.py throughput [--threads 2] [--prompts 16] [--n 8] [--max-tokens 128]
+        [--reps 1] [--no-separate] [--vllm-python PATH [--vllm-bind 0-1] [--vllm-max-num-seqs S]
+        [--vllm-max-num-batched-tokens B] [--vllm-kvcache-gib G] [--vllm-dtype DTYPE]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+
+from peer_drivers import COMMON, VLLM_SETUP, add_vllm_arguments, vllm_env, vllm_options  # scripts/ is on sys.path
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
@@ -30,7 +44,7 @@ def run_ttft(args: argparse.Namespace) -> None:
     prompt = engine.encode(TEXT)[: args.prompt_tokens]
     ttft_s(engine, prompt, 1)  # warm-up
     times: dict[int, list[float]] = {1: [], args.n: []}
-    for _ in range(args.reps):
+    for _ in range(args.reps or 7):
         for n in (1, args.n):
             times[n].append(ttft_s(engine, prompt, n))
     for n, values in times.items():
@@ -38,6 +52,70 @@ def run_ttft(args: argparse.Namespace) -> None:
               f"(range {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}, {len(values)} runs)")
     ratio = statistics.median(times[args.n]) / statistics.median(times[1])
     print(f"ratio n={args.n} / n=1: {ratio:.2f} ({len(prompt)} prompt tokens, {args.threads} threads)")
+
+
+# Runs in vLLM's venv; reads one job a line on stdin ({"round": r, "max_tokens": T}) and answers each
+# with a RESULT line, so that one process (one compilation) serves every round. Everything else vLLM
+# and its engine processes print goes to stderr (the log): a full stdout pipe would stall them while
+# pagecli runs.
+# No seeds: vLLM 0.32 rewinds a seeded request's generator after a chunked prefill step with
+# Generator.set_offset, which only CUDA generators have ("CPU Generator does not use offset"; the full
+# workload's 8,000 prompt tokens exceed its 4,096-token step budget). Which tokens are drawn does not
+# change the work, EOS being ignored.
+VLLM_FORKS_DRIVER = COMMON + r"""
+import os
+results = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+def emit(**kw): print("RESULT " + json.dumps(kw), file=results, flush=True)
+""" + VLLM_SETUP + r"""
+def run(prompts, n, max_tokens):
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    return sum(len(c.token_ids) for o in outs for c in o.outputs), secs
+run(work["warmup"], opts["n"], 2)
+emit(ready=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    tokens, secs = run(work["rounds"][job["round"]], opts["n"], job["max_tokens"])
+    emit(tokens=tokens, seconds=secs, tok_s=tokens / secs)
+"""
+
+
+class VllmChild:
+    """vLLM's CPU build in its own process, kept alive across rounds; one job at a time over stdin."""
+
+    def __init__(self, args: argparse.Namespace, folder: str, dtype: str, work: dict) -> None:
+        self.work_dir = Path(tempfile.mkdtemp(prefix="pagecli-forks-"))
+        work_file = self.work_dir / "workloads.json"
+        work_file.write_text(json.dumps(work))
+        self.log = (self.work_dir / "vllm.log").open("w+")
+        opts = {"folder": folder, "n": args.n, **vllm_options(args, dtype)}
+        # Beside the work file, not in the repo root (see bench_peers.run_child).
+        self.proc = subprocess.Popen([args.vllm_python, "-c", VLLM_FORKS_DRIVER, str(work_file), "forks",
+                                      json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=vllm_env(args, args.threads), cwd=self.work_dir)
+        self._result()  # model loaded, compiled and warmed up
+
+    def _result(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        self.log.seek(0)
+        raise SystemExit(f"vLLM's driver ended without a result ({self.log.name}):\n{self.log.read()[-3000:]}")
+
+    def output_tok_s(self, round_index: int, max_tokens: int) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"round": round_index, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._result()["tok_s"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
 def output_tok_s(engine: Engine, prompts: list[list[int]], n: int, copies: int, max_tokens: int) -> tuple[float, int]:
@@ -53,29 +131,75 @@ def output_tok_s(engine: Engine, prompts: list[list[int]], n: int, copies: int, 
     return tokens / (time.perf_counter() - start), peak
 
 
+def round_prompts(engine: Engine, base: list[int], args: argparse.Namespace, round_index: int) -> list[list[int]]:
+    """Round r's P prompts: a question header of their own (no prefix hits on another round's) + the shared text."""
+    header = "Question {i}: " if round_index == 0 else f"Round {round_index}, question {{i}}: "
+    return [engine.encode(header.format(i=i)) + base[: args.prompt_tokens] for i in range(args.prompts)]
+
+
+def summary(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.1f} tok/s"
+    return (f"median {statistics.median(values):.1f} tok/s "
+            f"(range {min(values):.1f}-{max(values):.1f}, {len(values)} runs)")
+
+
 def run_throughput(args: argparse.Namespace) -> None:
+    reps = args.reps or 1
     config = EngineConfig(threads=args.threads, disk_cache=False, max_num_seqs=args.prompts * args.n)
     engine = Engine(config=config)
     base = engine.encode(TEXT)
-    prompts = [engine.encode(f"Question {i}: ") + base[: args.prompt_tokens] for i in range(args.prompts)]
-    output_tok_s(engine, prompts[:1], 1, 1, 2)  # warm-up
-    forked, forked_peak = output_tok_s(engine, prompts, args.n, 1, args.max_tokens)
-    separate, separate_peak = output_tok_s(engine, prompts, 1, args.n, args.max_tokens)
-    print(f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, {args.threads} threads: "
-          f"forked {forked:.1f} tok/s (peak {forked_peak} blocks), separate requests with prefix caching "
-          f"{separate:.1f} tok/s (peak {separate_peak} blocks); ratio {forked / separate:.2f}")
+    rounds = [round_prompts(engine, base, args, r) for r in range(reps)]
+    warmup = engine.encode("Warm-up: ") + base[: args.prompt_tokens]
+    dtype = engine.stats().dtype  # vLLM runs in it unless --vllm-dtype says otherwise
+    vllm = None
+    if args.vllm_python:
+        print(f"starting vLLM ({args.vllm_python}); it compiles its model first ...", flush=True)
+        vllm = VllmChild(args, str(engine.loaded.folder), dtype, {"rounds": rounds, "warmup": [warmup]})
+    output_tok_s(engine, [warmup], args.n, 1, 2)  # warm-up
+    forked: list[float] = []
+    peers: list[float] = []
+    forked_peak = 0
+    for r in range(reps):
+        tok_s, forked_peak = output_tok_s(engine, rounds[r], args.n, 1, args.max_tokens)
+        forked.append(tok_s)
+        line = f"round {r + 1}: pagecli forked {tok_s:.1f} tok/s"
+        if vllm is not None:
+            peers.append(vllm.output_tok_s(r, args.max_tokens))
+            line += f", vLLM n={args.n} {peers[-1]:.1f} tok/s"
+        print(line, flush=True)
+    if vllm is not None:
+        vllm.close()
+    print(f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, {args.threads} threads "
+          f"(pagecli {dtype}): pagecli forked {summary(forked)} (peak {forked_peak} blocks)")
+    if peers:
+        # Each round's two runs are next to each other in time, so their ratio is the one a machine whose
+        # speed swings spoils least.
+        per_round = [f / v for f, v in zip(forked, peers)]
+        print(f"  vLLM CPU build, SamplingParams(n={args.n}), {args.vllm_dtype or dtype}: {summary(peers)}\n"
+              f"  pagecli / vLLM: {statistics.median(forked) / statistics.median(peers):.2f}x of the medians; "
+              f"per round {' '.join(f'{r:.2f}' for r in per_round)} (median {statistics.median(per_round):.2f}x)")
+    if not args.no_separate:
+        # The last round's prompts again, their blocks cached by its forked run.
+        separate, separate_peak = output_tok_s(engine, rounds[-1], 1, args.n, args.max_tokens)
+        print(f"  separate requests with prefix caching {separate:.1f} tok/s (peak {separate_peak} blocks); "
+              f"ratio forked / separate {statistics.median(forked) / separate:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=("ttft", "throughput"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=None, help="ttft: 7 unless told; throughput: 1")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--no-separate", action="store_true", help="throughput: skip the separate-requests run")
+    add_vllm_arguments(parser)
     args = parser.parse_args()
+    if args.what == "ttft" and args.vllm_python:
+        parser.error("--vllm-python is for throughput")
     run_ttft(args) if args.what == "ttft" else run_throughput(args)
 
 

@@ -18,8 +18,9 @@ directly). llama-cpp-python and vLLM's CPU build are not dependencies of pagecli
 its own virtual environment and pass its python (and, for llama.cpp, a GGUF file); the columns of
 a contender that is not given stay empty. docs/BENCHMARKS.md gives the install commands. vLLM runs
 with its OpenMP workers bound to every core (--vllm-bind; `auto` is its default, one core for compute
-and the other left to its scheduler), --vllm-max-num-seqs / --vllm-max-num-batched-tokens if given, and
-compiles its model in every new process (about 2.5 minutes before each of its three tasks).
+and the other left to its scheduler), --vllm-max-num-seqs / --vllm-max-num-batched-tokens if given, in
+--vllm-dtype (bfloat16 unless told), and compiles its model in every new process (about 2.5 minutes
+before each of its three tasks). The vLLM knobs and set-up are peer_drivers.py's, shared with bench_forks.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from bench_chat_ttft import MESSAGES  # scripts/ is on sys.path when this runs as a script
 from bench_generate_vs_hf import WORDS
+from peer_drivers import COMMON, VLLM_SETUP, add_vllm_arguments, vllm_env, vllm_options
 
 QUESTIONS = ["What is the main idea?", "List three key facts.", "Who would care about this?", "Summarise it briefly.",
              "What is missing?", "Give a title.", "What happens next?", "Is any claim doubtful?",
@@ -79,12 +81,6 @@ def build_workloads(folder: str) -> dict:
 
 
 # --- contender drivers: each runs as `python -c DRIVER workloads.json task [options]` -------------
-
-COMMON = r"""
-import json, sys, time
-work = json.load(open(sys.argv[1])); task = sys.argv[2]; opts = json.loads(sys.argv[3])
-def emit(**kw): print("RESULT " + json.dumps(kw), flush=True)
-"""
 
 PAGECLI_DRIVER = COMMON + r"""
 from pagecli.config import EngineConfig, SamplingParams
@@ -160,11 +156,7 @@ elif task == "batch":
     emit(seconds=secs, tokens=toks, tok_s=toks / secs)
 """
 
-VLLM_DRIVER = COMMON + r"""
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=opts["folder"], dtype="bfloat16", enable_prefix_caching=True, max_model_len=4096,
-          **opts.get("vllm_engine", {}))
+VLLM_DRIVER = COMMON + VLLM_SETUP + r"""
 def gen(prompts, n):
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -223,11 +215,7 @@ def main() -> None:
     ap.add_argument("--hf-sequential", type=int, default=4)
     ap.add_argument("--llama-python", default=None)
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--vllm-python", default=None)
-    ap.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N; "
-                    "'auto' is vLLM's own default, which leaves one core to its scheduler)")
-    ap.add_argument("--vllm-max-num-seqs", type=int, default=None)
-    ap.add_argument("--vllm-max-num-batched-tokens", type=int, default=None)
+    add_vllm_arguments(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tasks = set(args.only.split(","))
@@ -251,16 +239,8 @@ def main() -> None:
         contenders["vllm-cpu"] = (args.vllm_python, VLLM_DRIVER)
     opts = {"folder": folder, "dtype": args.dtype, "threads": args.threads, "hf_sequential": args.hf_sequential,
             "gguf": str(Path(args.gguf).resolve()) if args.gguf else None,  # the children run elsewhere
-            "vllm_engine": {k: v for k, v in (("max_num_seqs", args.vllm_max_num_seqs),
-                                              ("max_num_batched_tokens", args.vllm_max_num_batched_tokens)) if v}}
-    # vLLM's CPU build otherwise reserves 92% of RAM for its KV cache and refuses to start when less
-    # is free; 2 GiB holds the batch workload (about 28,500 tokens) several times over.
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    # Tuned as the peers issue asks: vLLM's OpenMP workers on every core (its default binds one core to
-    # compute and leaves the other to its scheduler process on a 2-core machine).
-    bind = args.vllm_bind or f"0-{args.threads - 1}"
-    if bind != "auto":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            **vllm_options(args)}
+    env = vllm_env(args, args.threads)  # every child's; only vLLM reads its VLLM_ variables
     results: dict[str, dict[str, dict]] = {name: {} for name in contenders}
     supported = {"pagecli": {"single", "batch", "shared", "chat"}, "transformers": {"single", "batch"},
                  "llama.cpp": {"single", "batch"}, "vllm-cpu": {"single", "batch", "shared"}}
