@@ -27,7 +27,7 @@ INVARIANT_DTYPE = _invariant_dtype()
 
 
 def quantized_engine(folder, quantize: str, **config) -> Engine:
-    settings = {"dtype": INVARIANT_DTYPE, "disk_cache": False, "block_size": 4, "quantize": quantize, **config}
+    settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 4, "quantize": quantize, **config}
     return Engine(str(folder), EngineConfig(**settings))
 
 
@@ -36,17 +36,19 @@ def quantized_engine(folder, quantize: str, **config) -> Engine:
 def test_quantized_greedy_output_does_not_depend_on_batching_chunking_preemption_or_prefix_hits(
         tiny_model_factory, arch, quantize):
     folder = tiny_model_factory(arch)
-    with quantized_engine(folder, quantize) as engine:
+    with quantized_engine(folder, quantize, dtype=INVARIANT_DTYPE) as engine:
         layers = [m for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
         assert layers and all(m.weight is None and m.packed is not None for m in layers)
         alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
         together = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]  # prefix hits from the runs alone
         assert engine.stats().prefix_hit_tokens > 0
-    with quantized_engine(folder, quantize, max_num_batched_tokens=3) as engine:
+    with quantized_engine(folder, quantize, dtype=INVARIANT_DTYPE, max_num_batched_tokens=3) as engine:
         chunked = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    with quantized_engine(folder, quantize, max_num_batched_tokens=3, enable_prefix_caching=False) as engine:
+    with quantized_engine(folder, quantize, dtype=INVARIANT_DTYPE, max_num_batched_tokens=3,
+                          enable_prefix_caching=False) as engine:
         chunked_uncached = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    with quantized_engine(folder, quantize, num_blocks=14, enable_prefix_caching=False) as engine:
+    with quantized_engine(folder, quantize, dtype=INVARIANT_DTYPE, num_blocks=14,
+                          enable_prefix_caching=False) as engine:
         preempted = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
         assert engine.stats().num_preemptions > 0, "the pool was meant to be small enough to force preemption"
     assert together == alone and chunked == alone and chunked_uncached == alone and preempted == alone
