@@ -96,7 +96,34 @@ def test_paged_decode_splits_work_the_same_way_for_any_thread_count(ops, num_seq
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 4, 80), (2, 1, 40)])
+def test_paged_decode_of_a_sequence_does_not_depend_on_its_batch_or_the_thread_count(ops, dtype, kv_heads, group,
+                                                                                    head_dim):
+    # Batch invariance: each sequence alone on one thread must get exactly what it gets among 9
+    # others (no shared prefix) on 1, 2 or 4 threads, however the step is split into tasks.
+    seq_lens = [1, 15, 16, 17, 33, 100, 250, 7, 64]
+    query, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=16, kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=dtype, seed=3
+    )
+    n = len(seq_lens)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.empty_like(query[:n])
+        for i in range(n):
+            ops.paged_decode_attention(alone[i : i + 1], query[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                       lens[i : i + 1], 0.125)
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            together = torch.empty_like(query[:n])
+            ops.paged_decode_attention(together, query[:n], k_cache, v_cache, tables, lens, 0.125)
+            assert torch.equal(together, alone), f"{threads} threads"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])  # 80, 32 (of 36), 32 (of 40) shared tokens
 @pytest.mark.parametrize("threads", [1, 2, 4])  # 4 threads for 6 sequences: one kv head per task
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])

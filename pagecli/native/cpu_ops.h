@@ -14,7 +14,7 @@
 namespace pagecli {
 
 // decode_attention.cpp: one query token per sequence, query and out [num_seqs, heads, head_dim];
-// the caches in the query's dtype, or int8/fp8 (kv_format.py, decode_attention_quantized.cpp).
+// the caches in the query's dtype, or int8/fp8 (kv_format.py, decode_attention_tiled.cpp).
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 

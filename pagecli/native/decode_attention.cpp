@@ -1,6 +1,6 @@
 // Paged decode attention: one query token per sequence over its paged context, on AVX-512 (any
 // float dtype) or AMX tiles (bf16), with a shared prompt prefix widened or multiplied once; int8 and
-// fp8 caches go to decode_attention_quantized.cpp.
+// fp8 caches, and float caches in builds without AVX-512 (the avx2 level), go to decode_attention_tiled.cpp.
 
 #include "attention_common.h"
 #include "cpu_ops.h"
@@ -406,6 +406,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   check_paged_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, query.size(0));
   if (is_quantized_kv(k_cache.scalar_type())) return paged_decode_quantized(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+#if !defined(__AVX512F__)
+  // Without AVX-512, float caches take the quantized kernel's AVX2 tiles (head sizes of 16s).
+  if (query.size(2) % 16 == 0) return paged_decode_float_tiled(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+#endif
   PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_for_dim<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });

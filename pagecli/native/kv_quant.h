@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "pagecli's quantized KV kernels need AVX2, FMA and F16C (every build level has them)"
@@ -96,6 +97,59 @@ inline void widen_quantized_tile(const uint8_t* const* rows, int64_t n, int64_t 
   }
 }
 
+// 16 values of a float cache row -> 16 floats at dst: fp32 as they are, bf16 zero-extended and
+// shifted into the high half, fp16 through F16C.
+inline void widen16(const float* p, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_loadu_ps(p));
+  _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(p + 8));
+}
+inline void widen16(const c10::BFloat16* p, float* dst) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8),
+                      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16));
+}
+inline void widen16(const c10::Half* p, float* dst) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(bits)));
+  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
+}
+
+// The row formats the tiled decode kernel (decode_attention_tiled.cpp) reads: Elem is the
+// cache's element type, a row of one (token, kv head) is row_elems(head_dim) of them, and widen
+// points widened[i] at row i of n (<= 16) as fp32 (head_dim a multiple of 16): in buf, at
+// buf + i * dim, or (float32) the row itself, with the factor each row's score and weight are
+// multiplied by in scales[i] when kScaled.
+template <KvQuant F>
+struct QuantizedRows {
+  using Elem = uint8_t;
+  static constexpr bool kScaled = true;
+  static int64_t row_elems(int64_t dim) { return dim + kKvScaleBytes; }
+  static void widen(const Elem* const* rows, int64_t n, int64_t dim, float* buf, float* scales,
+                    const float** widened) {
+    widen_quantized_tile<F>(rows, n, dim, buf, scales);
+    for (int64_t i = 0; i < n; ++i) widened[i] = buf + i * dim;
+  }
+};
+
+template <typename scalar_t>
+struct FloatRows {
+  using Elem = scalar_t;
+  static constexpr bool kScaled = false;
+  static int64_t row_elems(int64_t dim) { return dim; }
+  static void widen(const Elem* const* rows, int64_t n, int64_t dim, float* buf, float*, const float** widened) {
+    for (int64_t i = 0; i < n; ++i) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        widened[i] = rows[i];
+      } else {
+        for (int64_t d = 0; d < dim; d += 16) widen16(rows[i] + d, buf + i * dim + d);
+        widened[i] = buf + i * dim;
+      }
+    }
+  }
+};
+
 // Lane i of the result = the sum of the 8 lanes of a[i].
 inline __m256 sum_lanes_8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -110,25 +164,25 @@ inline __m256i first_lanes_8(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
 }
 
-// Scores of M (<= 8) widened rows b[i * dim ...] for one query row q: sums[i] = q . row_i.
+// Scores of M (<= 8) widened rows b[i] for one query row q: sums[i] = q . row_i.
 template <int M>
-inline __m256 scores_of_8(const float* q, const float* b, int64_t dim) {
+inline __m256 scores_of_8(const float* q, const float* const* b, int64_t dim) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(b + i * dim + d), acc[i]);
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(b[i] + d), acc[i]);
   }
   return sum_lanes_8(acc);
 }
 
-// out[i] = scales[i] * (q . row_i) for the n (<= 16) rows of a widened tile: the row's scale is
-// applied once to its score, not to each of its values.
-inline void quantized_tile_scores(const float* q, int64_t n, const float* buf, const float* scales, int64_t dim,
+// out[i] = scales[i] * (q . row_i) for the n (<= 16) widened rows rows[i]: the row's scale is
+// applied once to its score, not to each of its values. No scales (float rows): out[i] = q . row_i.
+inline void quantized_tile_scores(const float* q, int64_t n, const float* const* rows, const float* scales, int64_t dim,
                                   float* out) {
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const int64_t m = std::min<int64_t>(8, n - i0);
-    const float* b = buf + i0 * dim;
+    const float* const* b = rows + i0;
     __m256 sums;
     switch (m) {
       case 8: sums = scores_of_8<8>(q, b, dim); break;
@@ -141,36 +195,36 @@ inline void quantized_tile_scores(const float* q, int64_t n, const float* buf, c
       default: sums = scores_of_8<1>(q, b, dim); break;
     }
     const __m256i valid = first_lanes_8(m);
-    _mm256_maskstore_ps(out + i0, valid, _mm256_mul_ps(sums, _mm256_maskload_ps(scales + i0, valid)));
+    _mm256_maskstore_ps(out + i0, valid, scales ? _mm256_mul_ps(sums, _mm256_maskload_ps(scales + i0, valid)) : sums);
   }
 }
 
 // acc[d0, d0 + 8 * C) += sum over rows i < n of w[i] * row_i, the C vectors of sums in registers.
 template <int C>
-inline void accumulate_dims(float* acc, const float* w, int64_t n, const float* buf, int64_t dim, int64_t d0) {
+inline void accumulate_dims(float* acc, const float* w, int64_t n, const float* const* rows, int64_t d0) {
   __m256 o[C];
   for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 wi = _mm256_set1_ps(w[i]);
-    const float* row = buf + i * dim + d0;
+    const float* row = rows[i] + d0;
     for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(row + 8 * c), o[c]);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, o[c]);
 }
 
-// acc[0, dim) += sum over the n rows of a widened tile of w[i] * row_i (w already times each row's
+// acc[0, dim) += sum over the n widened rows rows[i] of w[i] * row_i (w already times each row's
 // scale), 64 dims at a time.
-inline void quantized_tile_accumulate(float* acc, const float* w, int64_t n, const float* buf, int64_t dim) {
+inline void quantized_tile_accumulate(float* acc, const float* w, int64_t n, const float* const* rows, int64_t dim) {
   for (int64_t d0 = 0; d0 < dim; d0 += 64) {
     switch (std::min<int64_t>(8, (dim - d0) / 8)) {
-      case 8: accumulate_dims<8>(acc, w, n, buf, dim, d0); break;
-      case 7: accumulate_dims<7>(acc, w, n, buf, dim, d0); break;
-      case 6: accumulate_dims<6>(acc, w, n, buf, dim, d0); break;
-      case 5: accumulate_dims<5>(acc, w, n, buf, dim, d0); break;
-      case 4: accumulate_dims<4>(acc, w, n, buf, dim, d0); break;
-      case 3: accumulate_dims<3>(acc, w, n, buf, dim, d0); break;
-      case 2: accumulate_dims<2>(acc, w, n, buf, dim, d0); break;
-      default: accumulate_dims<1>(acc, w, n, buf, dim, d0); break;
+      case 8: accumulate_dims<8>(acc, w, n, rows, d0); break;
+      case 7: accumulate_dims<7>(acc, w, n, rows, d0); break;
+      case 6: accumulate_dims<6>(acc, w, n, rows, d0); break;
+      case 5: accumulate_dims<5>(acc, w, n, rows, d0); break;
+      case 4: accumulate_dims<4>(acc, w, n, rows, d0); break;
+      case 3: accumulate_dims<3>(acc, w, n, rows, d0); break;
+      case 2: accumulate_dims<2>(acc, w, n, rows, d0); break;
+      default: accumulate_dims<1>(acc, w, n, rows, d0); break;
     }
   }
 }
@@ -226,10 +280,16 @@ inline float softmax_numerators(float* scores, int64_t n) {
   return hsum8(total);
 }
 
-// decode_attention_quantized.cpp: paged decode attention over int8 or fp8 caches (checked inputs).
+// decode_attention_tiled.cpp: paged decode attention over int8 or fp8 caches (checked inputs).
 void paged_decode_quantized(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, double scale);
+
+// decode_attention_tiled.cpp: the same kernel over a float cache (float32, bfloat16, float16;
+// head_dim a multiple of 16, checked inputs): the float path of builds without AVX-512.
+void paged_decode_float_tiled(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_lens, double scale);
 
 // kv_quant.cpp: cache slot slots[t] of [blocks, block_size, kv_heads, head_dim + 2] = rows[t] quantized.
 void store_kv_quantized(torch::Tensor rows, torch::Tensor cache, torch::Tensor slots);

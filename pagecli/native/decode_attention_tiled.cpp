@@ -1,5 +1,6 @@
-// Paged decode attention over a quantized cache (int8 or fp8 rows with an fp16 scale each,
-// kv_format.py): one query token per sequence, the same at every level (AVX2 code, see kv_quant.h).
+// Paged decode attention in 16-token tiles: over a quantized cache (int8 or fp8 rows with an fp16 scale
+// each, kv_format.py) at every level (AVX2 code, see kv_quant.h), and over float caches (FloatRows) in
+// builds without AVX-512, whose float path it is. One query token per sequence.
 
 #include "attention_common.h"
 #include "kv_quant.h"
@@ -13,19 +14,21 @@ constexpr int64_t kPrefetchTokens = 32;  // how far ahead of its tile a token's 
 // heads together, two passes over each context in 16-token tiles (scores, softmax in fp32, then the
 // weighted sum of V), a shared prefix's tiles widened once for every sequence of a task. A tile's
 // rows are widened to fp32 once for the group; each row's scale multiplies its score (K) or its
-// weight (V), not each of its values. Every query row sees the same tiles in the same order with
+// weight (V), not each of its values (float rows have none). Every query row sees the same tiles in the same order with
 // the same arithmetic whether a prefix is shared or not, so the results are bit-identical.
-template <KvQuant F, typename scalar_t>
-void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+template <typename Rows, typename scalar_t>
+void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                            const torch::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
-  const int64_t row_bytes = head_dim + kKvScaleBytes, slot_bytes = kv_heads * row_bytes;
+  using Elem = typename Rows::Elem;
+  const int64_t row_elems = Rows::row_elems(head_dim), slot_elems = kv_heads * row_elems;
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(Elem));
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const uint8_t* k_ptr = static_cast<const uint8_t*>(k_cache.data_ptr());
-  const uint8_t* v_ptr = static_cast<const uint8_t*>(v_cache.data_ptr());
+  const Elem* k_ptr = static_cast<const Elem*>(k_cache.data_ptr());
+  const Elem* v_ptr = static_cast<const Elem*>(v_cache.data_ptr());
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -41,7 +44,8 @@ void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const
     std::vector<float> q_buf, acc, scores, denom;
     std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
     std::vector<float> tile(16 * head_dim, 0.f);  // [16 tokens][head_dim], widened, before scaling
-    const uint8_t* tile_rows[16];
+    const Elem* tile_rows[16];
+    const float* widened[16];  // the tile's rows as fp32: in tile, or (float32) in the cache
     int64_t tile_slots[16], ahead_slots[16];
     float tile_scales[16], weights[16];
     for (int64_t task = begin; task < end; ++task) {
@@ -71,10 +75,10 @@ void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const
       };
       // The task's heads of tokens [start, start + n): a context's blocks lie scattered over the
       // pool, where the hardware prefetcher does not follow.
-      auto prefetch = [&](const uint8_t* cache, const int32_t* table, int64_t start, int64_t n) {
+      auto prefetch = [&](const Elem* cache, const int32_t* table, int64_t start, int64_t n) {
         slots_of(table, start, n, ahead_slots);
         for (int64_t i = 0; i < n; ++i) {
-          const uintptr_t first = reinterpret_cast<uintptr_t>(cache + ahead_slots[i] * slot_bytes + h0 * row_bytes);
+          const uintptr_t first = reinterpret_cast<uintptr_t>(cache + ahead_slots[i] * slot_elems + h0 * row_elems);
           const uintptr_t last = first + heads_per_task * row_bytes - 1;
           for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
@@ -84,10 +88,10 @@ void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const
       // Widens each tile of each context once and hands it to visit(j, h, n, start): tokens
       // [start, start + n) of kv head h0 + h, for sequence j of the task. The shared tiles are read
       // once for the task's sequences (through the first one's block table).
-      auto for_each_tile = [&](const uint8_t* cache, auto&& visit) {
+      auto for_each_tile = [&](const Elem* cache, auto&& visit) {
         auto widen = [&](int64_t n, int64_t h) {  // tokens at tile_slots, kv head h0 + h
-          for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_bytes + (h0 + h) * row_bytes;
-          widen_quantized_tile<F>(tile_rows, n, head_dim, tile.data(), tile_scales);
+          for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_elems + (h0 + h) * row_elems;
+          Rows::widen(tile_rows, n, head_dim, tile.data(), tile_scales, widened);
         };
         const int32_t* first_table = tables + s_begin * max_blocks;
         for (int64_t start = 0; start < shared; start += 16) {
@@ -119,7 +123,7 @@ void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const
       for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
         const int64_t len = lens[s_begin + j];
         for (int64_t g = 0; g < group; ++g) {
-          quantized_tile_scores(q_of(j, h) + g * head_dim, n, tile.data(), tile_scales, head_dim,
+          quantized_tile_scores(q_of(j, h) + g * head_dim, n, widened, Rows::kScaled ? tile_scales : nullptr, head_dim,
                                 scores_of(j, h) + g * len + start);
         }
       });
@@ -131,8 +135,11 @@ void decode_quantized_impl(torch::Tensor& out, const torch::Tensor& query, const
         const int64_t len = lens[s_begin + j];
         for (int64_t g = 0; g < group; ++g) {
           const float* w = scores_of(j, h) + g * len + start;
-          for (int64_t i = 0; i < n; ++i) weights[i] = w[i] * tile_scales[i];
-          quantized_tile_accumulate(acc_of(j, h) + g * head_dim, weights, n, tile.data(), head_dim);
+          if constexpr (Rows::kScaled) {
+            for (int64_t i = 0; i < n; ++i) weights[i] = w[i] * tile_scales[i];
+            w = weights;
+          }
+          quantized_tile_accumulate(acc_of(j, h) + g * head_dim, w, n, widened, head_dim);
         }
       });
       for (int64_t j = 0; j < seqs; ++j) {
@@ -155,10 +162,21 @@ void paged_decode_quantized(torch::Tensor& out, const torch::Tensor& query, cons
   const bool int8 = kv_quant_of(k_cache.scalar_type()) == KvQuant::kInt8;
   PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_quantized", [&] {
     if (int8) {
-      decode_quantized_impl<KvQuant::kInt8, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+      decode_tiled_impl<QuantizedRows<KvQuant::kInt8>, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                                                 scale);
     } else {
-      decode_quantized_impl<KvQuant::kFp8, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+      decode_tiled_impl<QuantizedRows<KvQuant::kFp8>, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                                                scale);
     }
+  });
+}
+
+void paged_decode_float_tiled(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.size(2) % 16 == 0, "the tiled float decode kernel needs head_dim a multiple of 16");
+  PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_float_tiled", [&] {
+    decode_tiled_impl<FloatRows<scalar_t>, scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });
 }
 
