@@ -46,7 +46,7 @@ class TorchAttentionBackend:
     ) -> None:
         slots = meta.slot_mapping
         kind = format_of_cache(k_cache)
-        if kind is not None and self._native_quantized(key):
+        if kind is not None and self._native(key):
             self.cpu_ops.store_kv_quantized(key, k_cache, slots)  # the same bytes as quantize_rows
             self.cpu_ops.store_kv_quantized(value, v_cache, slots)
             return
@@ -106,18 +106,13 @@ class TorchAttentionBackend:
             start += q_len
         return out
 
-    def _native_quantized(self, rows: torch.Tensor) -> bool:
-        """Whether the compiled kernels read and write quantized caches (builds from before kv-dtype do not)."""
-        return (self.cpu_ops is not None and rows.device.type == "cpu"
-                and hasattr(self.cpu_ops, "store_kv_quantized"))
+    def _native(self, rows: torch.Tensor) -> bool:
+        """Whether pagecli's compiled kernels run these rows (on the CPU, when they are built)."""
+        return self.cpu_ops is not None and rows.device.type == "cpu"
 
     def native_decode(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """The compiled decode kernel reads caches in the query's dtype, or quantized ones."""
-        if self.cpu_ops is None or query.device.type != "cpu":
-            return False
-        if format_of_cache(k_cache) is not None:
-            return self._native_quantized(query)
-        return k_cache.dtype == query.dtype
+        return self._native(query) and (format_of_cache(k_cache) is not None or k_cache.dtype == query.dtype)
 
     def _native_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (self.cpu_ops is not None and query.device.type == "cpu"
