@@ -21,6 +21,7 @@ from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine
 from pagecli.native import isa
+from test_native_ops import assert_decode_step_matches_the_layer_loop
 
 if not native.enabled():
     pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
@@ -245,27 +246,4 @@ def test_the_decode_step_in_cpp_over_a_quantized_cache_matches_the_python_layer_
         gen = torch.Generator().manual_seed(rows)
         values = torch.randn(*runner.kv_caches.shape[:-1], runner.kv_caches.shape[-1] - 2, generator=gen)
         caches = quantize_rows(values, kv_dtype)
-        seq_lens = [5, 13, 30, 2, 17][:rows]
-        order = torch.randperm(caches.shape[2], generator=gen).tolist()
-        tables = [order[8 * i : 8 * i + -(-n // 4)] for i, n in enumerate(seq_lens)]
-        slots = [t[(n - 1) // 4] * 4 + (n - 1) % 4 for t, n in zip(tables, seq_lens)]
-        if rows == 5:
-            slots[1] = -1  # a padding row: its K/V is not stored
-        meta = AttentionMetadata.build([1] * rows, seq_lens, tables, slots, num_decode_seqs=rows)
-        ids = torch.randint(0, model.spec.vocab_size, (rows,), generator=gen)
-        positions = torch.tensor([n - 1 for n in seq_lens])
-
-        def run(cache):
-            with torch.inference_mode():
-                return model(ids, positions, cache, meta, backend)
-
-        cpp_cache, python_cache = caches.clone(), caches.clone()
-        from_cpp = run(cpp_cache)
-        step, model.decode_step = model.decode_step, None
-        try:
-            from_python = run(python_cache)
-        finally:
-            model.decode_step = step
-    assert torch.equal(from_cpp, from_python)
-    assert torch.equal(cpp_cache, python_cache)
-    assert not torch.equal(cpp_cache, caches)  # the new K/V was stored
+        assert_decode_step_matches_the_layer_loop(model, backend, caches, rows, gen)
