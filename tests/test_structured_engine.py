@@ -201,6 +201,44 @@ def test_grammar_masks_equal_xgrammars_own_on_some_or_all_rows(tiny_model_factor
         assert 0 < int(torch.isinf(logits[rows[-1]]).logical_not().sum()) < logits.shape[1]
 
 
+def test_a_greedy_row_whose_argmax_the_grammar_allows_is_not_masked(tiny_model_factory):
+    """The greedy fast path: rows whose unmasked argmax is allowed keep their logits; the rest are masked as
+    xgrammar masks them, and the sampler's choice equals the argmax of the fully masked logits."""
+    import xgrammar
+
+    from pagecli.engine.sampler import sample
+    from pagecli.engine.sequence import Sequence
+
+    engine = make_engine(tiny_model_factory("llama"))
+    compiler = GrammarCompiler(engine.tokenizer, engine.loaded.spec.vocab_size, engine.stop_token_ids)
+    states = [compiler.new_state(CONSTRAINED.structured) for _ in range(3)]
+    vocab = engine.loaded.spec.vocab_size
+    bitmask = xgrammar.allocate_token_bitmask(3, vocab)
+    for row, state in enumerate(states):
+        state.matcher.fill_next_token_bitmask(bitmask, row)
+    allowed = [t for t in range(vocab) if (int(bitmask[0, t >> 5]) >> (t & 31)) & 1]
+    forbidden = next(t for t in range(vocab) if t not in allowed)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    logits[0, allowed[-1]] = 50.0  # row 0: the argmax is allowed
+    logits[1, forbidden] = 50.0  # row 1: the argmax is forbidden
+    logits[2, allowed[0]] = 50.0  # row 2: allowed, but the row samples, so it is masked
+    full = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(full, bitmask)
+    before = logits.clone()
+    masked = apply_grammar_masks(logits, [0, 1, 2], states, [allowed[-1], forbidden, None])
+    assert masked == [1, 2]
+    assert torch.equal(logits[0], before[0])
+    assert torch.equal(logits[1:], full[1:])
+
+    seqs = []
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.2, structured=CONSTRAINED.structured)
+    for row, state in enumerate(states):
+        seq = Sequence(str(row), [1], CONSTRAINED if row < 2 else penalised, max_model_len=64)
+        seq.grammar = state
+        seqs.append(seq)
+    assert sample(before.clone(), seqs) == full.max(dim=-1).indices.tolist()
+
+
 @pytest.mark.parametrize("spec, message", [
     (StructuredSpec("json_schema", '{"type": "strin"}'), "Unsupported type"),
     (StructuredSpec("json_schema", '{"type": "array", "uniqueItems": true}'), "'uniqueItems' at #"),

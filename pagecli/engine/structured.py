@@ -140,11 +140,18 @@ class GrammarCompiler:
                                                       max_whitespace_cnt=_MAX_JSON_WHITESPACE)
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-    """Set, in place, the logits each row's grammar forbids to -inf. logits: [num_seqs, vocab], on the CPU.
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState],
+                        greedy_choices: list[int | None] | None = None) -> list[int]:
+    """Set, in place, the logits each row's grammar forbids to -inf, and return the rows it masked.
+    logits: [num_seqs, vocab], on the CPU.
 
-    Done on the logits' bits: for 64 rows of 49,152 bfloat16 logits, masked_fill with a boolean mask took about
-    12 ms of CPU time on this machine, these integer operations about 4 ms (a 64-sequence decode step: ~85 ms).
+    greedy_choices[i], where given, is the unmasked argmax of rows[i] for a row that decodes greedily: when its
+    grammar allows that token, the row is left as it is (the masked argmax would be the same token, the first
+    of the row's equal maxima), so a greedy batch pays the mask only on the steps where the model strays from
+    the grammar. Checking one bit per row is ~1 µs; masking 64 rows of 49,152 logits is ~4 ms.
+
+    The mask works on the logits' bits: for 64 rows of 49,152 bfloat16 logits, masked_fill with a boolean mask
+    took about 12 ms of CPU time, these integer operations about 4 ms (a 64-sequence decode step: ~85 ms).
     """
     import xgrammar
 
@@ -152,6 +159,26 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[Gram
     bitmask = xgrammar.allocate_token_bitmask(len(states), vocab)  # [rows, ceil(vocab / 32)] int32, bit set: allowed
     for i, state in enumerate(states):
         state.matcher.fill_next_token_bitmask(bitmask, i)
+    need = list(range(len(rows)))
+    if greedy_choices is not None:
+        words = bitmask.numpy()
+        need = [i for i in need if greedy_choices[i] is None or not _allowed(words[i], greedy_choices[i])]
+        if len(need) < len(rows):
+            bitmask = bitmask[need]
+    masked = [rows[i] for i in need]
+    if masked:
+        _mask_rows(logits, masked, bitmask)
+    return masked
+
+
+def _allowed(words: Any, token: int) -> bool:
+    """Bit `token` of one row of xgrammar's bitmask (a numpy int32 array)."""
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """logits[rows[i]] where bit i of bitmask's row i is clear becomes -inf (bitmask: [len(rows), words])."""
+    vocab = logits.shape[-1]
     as_int = _SAME_WIDTH_INT[logits.element_size()]
     # -1 (every bit set) where allowed, 0 where not: [rows, vocab]
     keep = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).flatten(1)[:, :vocab].to(as_int).neg_()
