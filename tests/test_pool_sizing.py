@@ -54,6 +54,26 @@ def test_the_largest_budget_the_error_names_is_accepted(tiny_llama, four_gib_of_
     assert engine.pool.num_blocks == int(3.5 * GIB) // TINY_KV_BYTES_PER_BLOCK
 
 
+def test_the_default_budget_holds_the_same_tokens_in_a_float32_cache_as_in_bfloat16(tiny_llama, four_gib_of_ram):
+    """A float32 cache (the default where the CPU has no AVX512-BF16) gets twice the default bytes; a quantized one
+    keeps 0.75 GiB and so holds more tokens; a budget given is taken as it is, in bytes."""
+    cpu = torch.device("cpu")
+    bf16 = pool_num_blocks(EngineConfig(), cpu, TINY_KV_BYTES_PER_BLOCK // 2, value_bytes=2)
+    assert bf16 == int(0.75 * GIB) // (TINY_KV_BYTES_PER_BLOCK // 2)
+    assert pool_num_blocks(EngineConfig(), cpu, TINY_KV_BYTES_PER_BLOCK, value_bytes=4) == bf16
+    assert pool_num_blocks(EngineConfig(), cpu, TINY_KV_BYTES_PER_BLOCK // 4, value_bytes=1) == 2 * bf16
+    given = EngineConfig(kv_budget_gib=0.75)
+    assert pool_num_blocks(given, cpu, TINY_KV_BYTES_PER_BLOCK, value_bytes=4) == bf16 // 2
+    assert make_engine(tiny_llama).pool.num_blocks == bf16  # the tiny model's float32 cache, default budget
+
+
+def test_a_default_budget_that_does_not_fit_says_it_is_the_default(tiny_llama, monkeypatch):
+    monkeypatch.setattr(pool_sizing, "available_ram_bytes", lambda: 7 * GIB // 4)
+    with pytest.raises(PagecliError, match=r"the default kv_budget_gib 1.5 asks for a 1.50 GiB KV pool.*"
+                                           r"the largest kv_budget_gib that fits is 1.25"):
+        make_engine(tiny_llama)
+
+
 @pytest.mark.timeout(120)  # before the check, a billion-block pool took minutes of per-block objects, then failed
 def test_num_blocks_beyond_free_ram_is_refused_before_the_pool_is_built(tiny_llama, four_gib_of_ram, monkeypatch):
     def no_pool(*args, **kwargs):

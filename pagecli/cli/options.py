@@ -63,7 +63,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("device", "device", Optional[str], _opt("--device", help="auto|cpu|cuda.", metavar="DEVICE")),
     Flag("block_size", "block_size", Optional[int], _opt("--block-size", help="Tokens per KV block.", metavar="N")),
     Flag("kv_budget_gib", "kv_budget_gib", Optional[float], _opt(
-        "--kv-budget-gib", help="KV pool size on CPU, in GiB.", metavar="GIB")),
+        "--kv-budget-gib", help="KV pool size on CPU, in GiB (default 0.75; 1.5 for a float32 cache, "
+        "the same tokens).", metavar="GIB")),
     Flag("num_blocks", "num_blocks", Optional[int], _opt(
         "--num-blocks", help="Exact KV pool size in blocks (overrides the budget).", metavar="N")),
     Flag("max_num_seqs", "max_num_seqs", Optional[int], _opt(

@@ -19,6 +19,11 @@ QUANTIZE_CHOICES = ("none", "int8", "int4", "gguf")  # as loaded, int8 per chann
 KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
+# The CPU pool's default size for a cache of bfloat16 or float16 values: 34,000 tokens of SmolLM2-135M, which
+# holds the batch workload (64 prompts x 128 tokens) without preemption. A float32 cache (the default on CPUs
+# without AVX512-BF16) gets twice the bytes, the same tokens: at 0.75 GiB it ran that workload 35% slower than at
+# 1.5 (docs/BENCHMARKS.md). A quantized cache keeps 0.75 GiB: that it holds more tokens is what it is for.
+DEFAULT_KV_BUDGET_GIB = 0.75
 MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
 MAX_CANDIDATES = 256  # n per request: more is a typo, and each candidate is a running sequence
 MAX_THREADS = 1024  # more than the largest machines' cores; torch would try to start them all
@@ -43,8 +48,9 @@ class EngineConfig:
 
     block_size: int = 16
     # KV pool size on CPU. Allocated lazily (untouched pages cost nothing), yet checked whole against the RAM
-    # available at start-up, since a long run fills every block (engine/pool_sizing.py).
-    kv_budget_gib: float = 0.75
+    # available at start-up, since a long run fills every block (engine/pool_sizing.py). None: the default,
+    # DEFAULT_KV_BUDGET_GIB for a cache of 2-byte values, more for a float32 one (the same tokens).
+    kv_budget_gib: float | None = None
     gpu_memory_fraction: float = 0.85  # share of free GPU memory (after weights) for the KV pool
     num_blocks: int | None = None  # overrides the budget when set
     max_num_seqs: int = 64
@@ -65,7 +71,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require_finite_numbers(self)
         _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
-        _require(0 < self.kv_budget_gib <= MAX_GIB,
+        _require(self.kv_budget_gib is None or 0 < self.kv_budget_gib <= MAX_GIB,
                  f"kv_budget_gib must be positive and at most {MAX_GIB:.0f} (got {self.kv_budget_gib}).")
         _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction must be in (0, 1].")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be at least 1.")

@@ -186,7 +186,8 @@ class Engine:
 
     def _num_blocks(self) -> int:
         """The pool's size, checked against the memory free for it now that the weights are loaded."""
-        return pool_num_blocks(self.config, self.loaded.device, self.kv_bytes_per_block)
+        return pool_num_blocks(self.config, self.loaded.device, self.kv_bytes_per_block,
+                               self.kv_format.storage_dtype.itemsize)
 
     def _allocate_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""

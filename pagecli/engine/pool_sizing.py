@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagecli.config.settings import EngineConfig
+from pagecli.config.settings import DEFAULT_KV_BUDGET_GIB, EngineConfig
 from pagecli.errors import PagecliError
 
 GIB = 1 << 30
@@ -111,28 +111,38 @@ def free_memory(device: torch.device) -> FreeMemory | None:
     return None if available is None else FreeMemory(available, "RAM")
 
 
-def pool_num_blocks(config: EngineConfig, device: torch.device, kv_bytes_per_block: int) -> int:
-    """The number of KV blocks to allocate; PagecliError when none, or more than fit (see the rule)."""
+def kv_budget_gib(config: EngineConfig, value_bytes: int = 2) -> float:
+    """The CPU pool's budget: the configured one, else the default for a cache of `value_bytes`-byte values."""
+    if config.kv_budget_gib is not None:
+        return config.kv_budget_gib
+    return DEFAULT_KV_BUDGET_GIB * max(1.0, value_bytes / 2)
+
+
+def pool_num_blocks(config: EngineConfig, device: torch.device, kv_bytes_per_block: int, value_bytes: int = 2) -> int:
+    """The number of KV blocks to allocate; PagecliError when none, or more than fit (see the rule).
+    value_bytes: the bytes of one cached value (2 for bfloat16, 4 for float32, 1 for int8 or fp8)."""
     memory = free_memory(device)
-    num_blocks = _configured_num_blocks(config, device, kv_bytes_per_block, memory)
+    budget = kv_budget_gib(config, value_bytes)
+    num_blocks = _configured_num_blocks(config, device, kv_bytes_per_block, memory, budget)
     if num_blocks < 1:
         raise PagecliError("The KV memory budget holds no block at all; raise kv_budget_gib or gpu_memory_fraction.")
     if memory is not None and num_blocks * kv_bytes_per_block > memory.for_pool_bytes:
-        raise PagecliError(_does_not_fit(config, device, num_blocks * kv_bytes_per_block, kv_bytes_per_block, memory))
+        raise PagecliError(_does_not_fit(config, device, num_blocks * kv_bytes_per_block, kv_bytes_per_block, memory,
+                                         budget))
     return num_blocks
 
 
 def _configured_num_blocks(config: EngineConfig, device: torch.device, kv_bytes_per_block: int,
-                           memory: FreeMemory | None) -> int:
+                           memory: FreeMemory | None, budget_gib: float) -> int:
     if config.num_blocks:
         return config.num_blocks
     if device.type == "cuda" and memory is not None:
         return int(memory.available_bytes * config.gpu_memory_fraction) // kv_bytes_per_block
-    return int(config.kv_budget_gib * GIB) // kv_bytes_per_block
+    return int(budget_gib * GIB) // kv_bytes_per_block
 
 
 def _does_not_fit(config: EngineConfig, device: torch.device, pool_bytes: int, kv_bytes_per_block: int,
-                  memory: FreeMemory) -> str:
+                  memory: FreeMemory, budget_gib: float) -> str:
     if config.num_blocks:
         asked = f"num_blocks {config.num_blocks:,}"
         largest = f"at most {memory.for_pool_bytes // kv_bytes_per_block:,} blocks fit"
@@ -141,7 +151,7 @@ def _does_not_fit(config: EngineConfig, device: torch.device, pool_bytes: int, k
         fraction = _round_down(memory.for_pool_bytes / memory.available_bytes)
         largest = f"the largest gpu_memory_fraction that fits is {fraction}"
     else:
-        asked = f"kv_budget_gib {config.kv_budget_gib:g}"
+        asked = f"{'the default ' if config.kv_budget_gib is None else ''}kv_budget_gib {budget_gib:g}"
         largest = f"the largest kv_budget_gib that fits is {_round_down(memory.for_pool_bytes / GIB)}"
     if memory.for_pool_bytes < kv_bytes_per_block:
         largest = "no KV pool fits; free some memory or use a smaller model"
