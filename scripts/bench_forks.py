@@ -19,14 +19,10 @@ vLLM stays one process, so it compiles its model once (minutes) before the first
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
-from peer_drivers import COMMON, VLLM_SETUP, add_vllm_arguments, vllm_env, vllm_options  # scripts/ is on sys.path
+from peer_drivers import VllmChild, add_vllm_arguments, vllm_jobs_driver, vllm_options  # scripts/ is on sys.path
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
@@ -54,68 +50,24 @@ def run_ttft(args: argparse.Namespace) -> None:
     print(f"ratio n={args.n} / n=1: {ratio:.2f} ({len(prompt)} prompt tokens, {args.threads} threads)")
 
 
-# Runs in vLLM's venv; reads one job a line on stdin ({"round": r, "max_tokens": T}) and answers each
-# with a RESULT line, so that one process (one compilation) serves every round. Everything else vLLM
-# and its engine processes print goes to stderr (the log): a full stdout pipe would stall them while
-# pagecli runs.
+# Runs in vLLM's venv, one job ({"round": r, "max_tokens": T}) per round (peer_drivers.vllm_jobs_driver).
 # No seeds: vLLM 0.32 rewinds a seeded request's generator after a chunked prefill step with
 # Generator.set_offset, which only CUDA generators have ("CPU Generator does not use offset"; the full
 # workload's 8,000 prompt tokens exceed its 4,096-token step budget). Which tokens are drawn does not
 # change the work, EOS being ignored.
-VLLM_FORKS_DRIVER = COMMON + r"""
-import os
-results = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-def emit(**kw): print("RESULT " + json.dumps(kw), file=results, flush=True)
-""" + VLLM_SETUP + r"""
+VLLM_FORKS_DRIVER = vllm_jobs_driver(r"""
 def run(prompts, n, max_tokens):
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     secs = time.perf_counter() - t0
     return sum(len(c.token_ids) for o in outs for c in o.outputs), secs
-run(work["warmup"], opts["n"], 2)
-emit(ready=True)
-for line in sys.stdin:
-    job = json.loads(line)
+def warmup():
+    run(work["warmup"], opts["n"], 2)
+def run_job(job):
     tokens, secs = run(work["rounds"][job["round"]], opts["n"], job["max_tokens"])
-    emit(tokens=tokens, seconds=secs, tok_s=tokens / secs)
-"""
-
-
-class VllmChild:
-    """vLLM's CPU build in its own process, kept alive across rounds; one job at a time over stdin."""
-
-    def __init__(self, args: argparse.Namespace, folder: str, dtype: str, work: dict) -> None:
-        self.work_dir = Path(tempfile.mkdtemp(prefix="pagecli-forks-"))
-        work_file = self.work_dir / "workloads.json"
-        work_file.write_text(json.dumps(work))
-        self.log = (self.work_dir / "vllm.log").open("w+")
-        opts = {"folder": folder, "n": args.n, **vllm_options(args, dtype)}
-        # Beside the work file, not in the repo root (see bench_peers.run_child).
-        self.proc = subprocess.Popen([args.vllm_python, "-c", VLLM_FORKS_DRIVER, str(work_file), "forks",
-                                      json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=vllm_env(args, args.threads), cwd=self.work_dir)
-        self._result()  # model loaded, compiled and warmed up
-
-    def _result(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        self.log.seek(0)
-        raise SystemExit(f"vLLM's driver ended without a result ({self.log.name}):\n{self.log.read()[-3000:]}")
-
-    def output_tok_s(self, round_index: int, max_tokens: int) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"round": round_index, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._result()["tok_s"]
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+    return dict(tokens=tokens, seconds=secs, tok_s=tokens / secs)
+""")
 
 
 def output_tok_s(engine: Engine, prompts: list[list[int]], n: int, copies: int, max_tokens: int) -> tuple[float, int]:
@@ -155,7 +107,8 @@ def run_throughput(args: argparse.Namespace) -> None:
     vllm = None
     if args.vllm_python:
         print(f"starting vLLM ({args.vllm_python}); it compiles its model first ...", flush=True)
-        vllm = VllmChild(args, str(engine.loaded.folder), dtype, {"rounds": rounds, "warmup": [warmup]})
+        opts = {"folder": str(engine.loaded.folder), "n": args.n, **vllm_options(args, dtype)}
+        vllm = VllmChild(args, VLLM_FORKS_DRIVER, {"rounds": rounds, "warmup": [warmup]}, opts, "pagecli-forks-")
     output_tok_s(engine, [warmup], args.n, 1, 2)  # warm-up
     forked: list[float] = []
     peers: list[float] = []
@@ -165,7 +118,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         forked.append(tok_s)
         line = f"round {r + 1}: pagecli forked {tok_s:.1f} tok/s"
         if vllm is not None:
-            peers.append(vllm.output_tok_s(r, args.max_tokens))
+            peers.append(vllm.run({"round": r, "max_tokens": args.max_tokens})["tok_s"])
             line += f", vLLM n={args.n} {peers[-1]:.1f} tok/s"
         print(line, flush=True)
     if vllm is not None:

@@ -9,7 +9,11 @@ virtual environment (vLLM and llama-cpp-python are not dependencies of pagecli);
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import tempfile
+from pathlib import Path
 
 COMMON = r"""
 import json, sys, time
@@ -17,13 +21,35 @@ work = json.load(open(sys.argv[1])); task = sys.argv[2]; opts = json.loads(sys.a
 def emit(**kw): print("RESULT " + json.dumps(kw), flush=True)
 """
 
-# Builds `llm` from opts["folder"]; opts["vllm_engine"] holds the LLM keyword knobs given on the command line.
+# Builds `llm` from opts["folder"]; opts["vllm_engine"] holds LLM keyword knobs (the command line's, or a benchmark's
+# own such as enable_prefix_caching=False), which win over the defaults here.
 VLLM_SETUP = r"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=opts["folder"], dtype=opts["vllm_dtype"], enable_prefix_caching=True,
-          max_model_len=4096, **opts.get("vllm_engine", {}))
+llm = LLM(model=opts["folder"], dtype=opts["vllm_dtype"],
+          **{"enable_prefix_caching": True, "max_model_len": 4096, **opts.get("vllm_engine", {})})
 """
+
+# A driver that serves jobs over stdin, so that one vLLM process (one compilation, minutes) serves every round of
+# a benchmark: the body defines warmup() and run_job(job) -> dict, each job is one JSON line and each answer one
+# RESULT line. vLLM's own prints go to stderr (the log), RESULT lines to the original stdout.
+VLLM_JOBS_PRELUDE = COMMON + r"""
+import os
+results = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+def emit(**kw): print("RESULT " + json.dumps(kw), file=results, flush=True)
+""" + VLLM_SETUP
+VLLM_JOBS_LOOP = r"""
+warmup()
+emit(ready=True)
+for line in sys.stdin:
+    emit(**run_job(json.loads(line)))
+"""
+
+
+def vllm_jobs_driver(body: str) -> str:
+    return VLLM_JOBS_PRELUDE + body + VLLM_JOBS_LOOP
+
 
 # Without it vLLM's CPU build reserves 92% of RAM for its KV cache and refuses to start when less is
 # free; 2 GiB holds bench_peers' batch workload (about 28,500 tokens) several times over.
@@ -64,3 +90,37 @@ def vllm_env(args: argparse.Namespace, threads: int) -> dict[str, str]:
     if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return env
+
+
+class VllmChild:
+    """vLLM's CPU build in its own process (a vllm_jobs_driver), kept alive across rounds; one job at a time."""
+
+    def __init__(self, args: argparse.Namespace, driver: str, work: dict, opts: dict, prefix: str) -> None:
+        self.work_dir = Path(tempfile.mkdtemp(prefix=prefix))
+        work_file = self.work_dir / "workloads.json"
+        work_file.write_text(json.dumps(work))
+        self.log = (self.work_dir / "vllm.log").open("w+")
+        # Beside the work file, not in the repo root (see bench_peers.run_child).
+        self.proc = subprocess.Popen([args.vllm_python, "-c", driver, str(work_file), "jobs", json.dumps(opts)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=vllm_env(args, args.threads), cwd=self.work_dir)
+        self._result()  # model loaded, compiled and warmed up
+
+    def _result(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        self.log.seek(0)
+        raise SystemExit(f"vLLM's driver ended without a result ({self.log.name}):\n{self.log.read()[-3000:]}")
+
+    def run(self, job: dict) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._result()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
