@@ -131,6 +131,9 @@ def _build(progress: Callable[[str], None] | None, level_name: str) -> ModuleTyp
 
         _put_ninja_on_path()
         (target / _BUILT_STAMP).unlink(missing_ok=True)  # ninja may relink (say, the source moved)
+        # torch's own build baton: a build killed midway (Ctrl-C, a killed test run) leaves it, and the
+        # next build would wait on it forever. Under our lock no other build is running: it is stale.
+        (target / "lock").unlink(missing_ok=True)
         if progress is not None and not any(target.glob("*.so")):
             progress(f"Compiling pagecli's CPU kernels ({level_name}) for this machine (once; about a minute)")
         module = cpp_extension.load(
