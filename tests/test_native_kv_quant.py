@@ -21,7 +21,7 @@ from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine
 from pagecli.native import isa
-from test_native_ops import assert_decode_step_matches_the_layer_loop
+from test_native_ops import PREFIX_LAYOUTS, assert_decode_step_matches_the_layer_loop, share_prefixes
 
 if not native.enabled():
     pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
@@ -170,14 +170,15 @@ def test_quantized_decode_matches_the_reference_on_the_dequantized_cache(ops, fm
 @pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS)
 def test_quantized_decode_over_a_shared_prefix_is_bit_identical_to_one_sequence_at_a_time(
-        ops, fmt, block_size, shared_blocks, threads, kv_heads, group, head_dim):
+        ops, fmt, block_size, shared_blocks, threads, kv_heads, group, head_dim, layout):
     seq_lens = [shared_blocks * block_size + extra for extra in (0, 1, 7, 16, 40, 3)]
     query, k_cache, v_cache, tables, lens = quantized_decode_case(
         fmt, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim,
         dtype=torch.bfloat16, seed=block_size,
     )
-    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    share_prefixes(tables, shared_blocks, layout)
     n = len(seq_lens)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

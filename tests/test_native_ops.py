@@ -9,6 +9,8 @@ test_engine_invariance.py) run with these kernels on as well.
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,24 +125,41 @@ def test_paged_decode_of_a_sequence_does_not_depend_on_its_batch_or_the_thread_c
         torch.set_num_threads(previous)
 
 
+PREFIX_LAYOUTS = ["one prefix", "two forked requests"]
+
+
+def share_prefixes(tables: torch.Tensor, shared_blocks: int, layout: str) -> None:
+    """Points six sequences' first blocks at the same blocks: one prefix for all (prefix-cache hits on
+    one system prompt), or two forked requests of three candidates each, a request's candidates
+    sharing all `shared_blocks` and the two requests the first third of them (a system prompt)."""
+    if layout == "one prefix":
+        tables[:, :shared_blocks] = tables[0, :shared_blocks]
+        return
+    tables[:3, :shared_blocks] = tables[0, :shared_blocks]
+    tables[3:, :shared_blocks] = tables[3, :shared_blocks]
+    tables[:, : shared_blocks // 3] = tables[0, : shared_blocks // 3]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])  # 80, 32 (of 36), 32 (of 40) shared tokens
 @pytest.mark.parametrize("threads", [1, 2, 4])  # 4 threads for 6 sequences: one kv head per task
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS)
 def test_paged_decode_over_a_shared_prefix_is_bit_identical_to_one_sequence_at_a_time(ops, dtype, block_size,
                                                                                       shared_blocks, threads,
-                                                                                      kv_heads, group, head_dim):
-    # Sequences whose tables start with the same blocks (prefix-cache hits on one system prompt) are
-    # handled together, the prefix tiles read once for all of them; each must get exactly what it
-    # gets alone, where nothing is shared. The kernels split a step by sequences and kv heads
-    # according to the thread count, so each split is tried; the AMX kernel also multiplies the
-    # prefix for as many sequences at once as their query heads fill a tile's 16 columns.
+                                                                                      kv_heads, group, head_dim,
+                                                                                      layout):
+    # Sequences whose tables start with the same blocks are handled together, the prefix tiles read
+    # once for all of them; each must get exactly what it gets alone, where nothing is shared. The
+    # kernels split a step by sequences and kv heads according to the thread count, so each split is
+    # tried; the AMX kernel also multiplies the prefix for as many sequences at once as their query
+    # heads fill a tile's 16 columns.
     seq_lens = [shared_blocks * block_size + extra for extra in (0, 1, 7, 16, 40, 3)]
     query, k_cache, v_cache, tables, lens = paged_decode_case(
         seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim, dtype=dtype,
         seed=block_size,
     )
-    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    share_prefixes(tables, shared_blocks, layout)
     n = len(seq_lens)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -158,6 +177,46 @@ def test_paged_decode_over_a_shared_prefix_is_bit_identical_to_one_sequence_at_a
     expected = reference_paged_attention(query[:n].float(), k_cache, v_cache, tables, starts, lens, 0.125)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(together.float(), expected, atol=atol, rtol=rtol)
+
+
+def fork_groups_tables(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables of nine sequences behind a 2-block system prompt: a request forked into four
+    candidates (5 prompt blocks), one forked into three (4 blocks), and two lone requests."""
+    prompts = [5] * 4 + [4] * 3 + [3, 3]
+    seq_lens = [blocks * block_size + extra for blocks, extra in zip(prompts, (0, 1, 9, 3, 2, 0, 5, 7, 1))]
+    _, _, _, tables, lens = paged_decode_case(seq_lens, block_size=block_size, kv_heads=1, group=1, head_dim=16,
+                                              dtype=torch.float32)
+    tables[:4, :5] = tables[0, :5]
+    tables[4:7, :4] = tables[4, :4]
+    tables[:, :2] = tables[0, :2]
+    return tables, lens
+
+
+@pytest.mark.parametrize(("share_unit", "heads_together"), [(16, False), (32, True)])
+def test_decode_reads_each_forked_requests_prompt_once_for_its_candidates(ops, share_unit, heads_together):
+    # The candidates of a forked request lie next to each other in a step and share their whole
+    # prompt; only the system prompt before it is common to the whole step. Each request's
+    # candidates must be one run whose shared prefix is its whole prompt (rounded down to the
+    # kernel's unit), not the 32 system-prompt tokens every sequence shares.
+    tables, lens = fork_groups_tables(block_size=16)
+    split = ops.decode_task_split(tables, lens, 16, 3, share_unit, 2, heads_together)
+    runs = sorted({(begin, end, shared) for _, begin, end, shared in split})
+    prompt = [80, 64, 32] if share_unit == 16 else [64, 64, 32]
+    assert runs == [(0, 4, prompt[0]), (4, 7, prompt[1]), (7, 9, prompt[2])]
+    heads = 3 if heads_together else 1  # the AMX kernel widens a prefix of every kv head at once
+    assert sorted(h0 for h0, begin, _, _ in split if begin == 0) == list(range(0, 3, heads))
+
+
+def test_decode_splits_one_shared_prefix_into_a_run_per_thread(ops):
+    # One system prompt for the whole step (no forks): the sequences are cut into runs of about equal
+    # length, as many as keep the threads busy, each reading the prefix once.
+    seq_lens = [3 * 16 + extra for extra in (0, 1, 9, 3, 2, 0, 5, 7, 1)]
+    _, _, _, tables, lens = paged_decode_case(seq_lens, block_size=16, kv_heads=1, group=1, head_dim=16,
+                                              dtype=torch.float32)
+    tables[:, :3] = tables[0, :3]
+    split = ops.decode_task_split(tables, lens, 16, 3, 16, 2, True)
+    assert sorted({(begin, end, shared) for _, begin, end, shared in split}) == [(0, 5, 48), (5, 9, 48)]
+    assert ops.decode_task_split(tables, lens, 16, 3, 0, 2, True) == [(0, s, s + 1, 0) for s in range(9)]
 
 
 def test_paged_decode_refuses_mismatched_inputs(ops):
@@ -412,6 +471,26 @@ def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_
     assert run(max_num_batched_tokens=5) == alone
     assert run(block_size=4, enable_prefix_caching=True) == alone
     assert run((PROMPTS * 6)[:32], max_num_seqs=32) == (alone * 6)[:32]
+
+
+def test_a_build_killed_midway_does_not_leave_the_next_one_waiting_forever(tmp_path, monkeypatch):
+    # torch's cpp_extension.load waits while its "lock" file exists in the build directory; a build
+    # killed midway (Ctrl-C on the first run) leaves that file, and every later run hung on it.
+    from torch.utils import cpp_extension
+
+    seen = []
+
+    def fake_load(name, build_directory, **kwargs):
+        seen.append((Path(build_directory) / "lock").exists())
+        library = Path(build_directory) / f"{name}.so"
+        library.touch()
+        return SimpleNamespace(__file__=str(library))
+
+    monkeypatch.setattr(native, "build_dir", lambda level_name=None: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    (tmp_path / "lock").touch()  # what the killed build left
+    native._build(None, native.level())
+    assert seen == [False]
 
 
 def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, monkeypatch):

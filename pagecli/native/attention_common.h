@@ -222,47 +222,103 @@ void parallel_for_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
   });
 }
 
+// Where a step's sequences split into groups that share a prefix: before sequence s when it does
+// not start with the same block as s - 1, or when the two share fewer full blocks than either shares
+// with its other neighbour. The candidates of one forked request (parallel sampling, beams) lie next
+// to each other and share their whole prompt, the next request only a system prompt before it; a
+// batch of different prompts behind one system prompt stays one group. Group g is sequences
+// [bounds[g], bounds[g + 1]).
+inline std::vector<int64_t> prefix_group_bounds(const int32_t* tables, int64_t max_blocks, const int32_t* lens,
+                                                int64_t seqs, int64_t block_size) {
+  std::vector<int64_t> common(seqs + 1, 0);  // common[s]: full blocks s - 1 and s share from their start
+  for (int64_t s = 1; s < seqs; ++s) {
+    const int64_t full = std::min(lens[s - 1], lens[s]) / block_size;
+    const int32_t* a = tables + (s - 1) * max_blocks;
+    const int32_t* b = tables + s * max_blocks;
+    while (common[s] < full && a[common[s]] == b[common[s]]) ++common[s];
+  }
+  std::vector<int64_t> bounds{0};
+  for (int64_t s = 1; s < seqs; ++s) {
+    const bool cut = common[s] == 0 || (s > 1 && common[s] < common[s - 1]) || common[s] < common[s + 1];
+    if (cut) bounds.push_back(s);
+  }
+  bounds.push_back(seqs);
+  return bounds;
+}
+
 // How the decode-attention kernels split a step into tasks. A task is a run of sequences
-// [s_begin, s_end) and the kv heads [h0, h0 + heads_per_task):
+// [s_begin, s_end), the kv heads [h0, h0 + heads_per_task), and the tokens [0, shared) the run's
+// sequences all hold in the same blocks (a multiple of `share_unit` tokens; share_unit 0 shares
+// nothing), whose tiles the kernel reads once for the run:
 //  - with sequences enough to keep every thread busy (at least 2 per thread), all kv heads per task,
 //    so a task reads whole cache rows (every head of a token) and each block's lines are fetched
-//    once: one sequence per task, or with a shared prefix one run of sequences per thread when the
-//    kernel can widen the prefix of every head at once (`heads_together`, the AMX kernel);
-//  - otherwise one kv head per task (a single long chat), and with a shared prefix the sequences
-//    split into about 2 * threads / kv_heads runs so every thread has work.
+//    once: one sequence per task, or with shared prefixes runs of sequences when the kernel can
+//    widen the prefix of every head at once (`heads_together`, the AMX kernel);
+//  - otherwise one kv head per task (a single long chat).
+// With shared prefixes, each prefix group (prefix_group_bounds) is a run, or, when there are fewer
+// groups than the threads want runs (one system prompt for the whole batch), is cut into runs in
+// proportion to its length: `threads` runs in all with whole rows, else about 2 * threads / kv_heads.
 // Runs are cut by context length, not by count, and run_for_each hands the threads tasks of about
 // equal total length (a batch of prompts of 39 to 596 tokens, split by count, kept one thread
 // waiting on the other).
 struct DecodeTasks {
   struct Task {
-    int64_t h0, s_begin, s_end;
+    int64_t h0, s_begin, s_end, shared;
   };
   int64_t heads_per_task, head_tasks;
   std::vector<int64_t> run_bounds;  // run r is sequences [run_bounds[r], run_bounds[r + 1])
+  std::vector<int64_t> run_shared;  // run r's shared prefix tokens
   std::vector<int64_t> costs;       // per task: the context tokens it reads
 
-  DecodeTasks(const int32_t* lens, int64_t seqs, int64_t kv_heads, bool shared_prefix, int64_t threads,
-              bool heads_together) {
+  DecodeTasks(const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t seqs, int64_t block_size,
+              int64_t kv_heads, int64_t share_unit, int64_t threads, bool heads_together) {
+    auto shared_of = [&](int64_t begin, int64_t end) -> int64_t {
+      if (share_unit == 0) return 0;
+      const int64_t tokens = shared_prefix_tokens(tables + begin * max_blocks, max_blocks, lens + begin, end - begin,
+                                                  block_size);
+      return tokens / share_unit * share_unit;
+    };
+    const std::vector<int64_t> groups = share_unit > 0 ? prefix_group_bounds(tables, max_blocks, lens, seqs, block_size)
+                                                       : std::vector<int64_t>{0, seqs};
+    const int64_t num_groups = static_cast<int64_t>(groups.size()) - 1;
+    std::vector<int64_t> group_shared(num_groups);
+    bool any_shared = false;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      group_shared[g] = shared_of(groups[g], groups[g + 1]);
+      any_shared = any_shared || group_shared[g] > 0;
+    }
     const bool many = seqs >= 2 * threads;
-    const bool whole_rows = many && (!shared_prefix || heads_together);
+    const bool whole_rows = many && (!any_shared || heads_together);
     heads_per_task = whole_rows ? kv_heads : 1;
     head_tasks = kv_heads / heads_per_task;
-    int64_t seq_runs = seqs;
-    if (shared_prefix) {
-      seq_runs = whole_rows ? threads : std::min<int64_t>(seqs, std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads));
+    const int64_t wanted = whole_rows ? threads : std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads);
+    int64_t total = 0;
+    for (int64_t s = 0; s < seqs; ++s) total += lens[s];
+    run_bounds.push_back(0);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t begin = groups[g], end = groups[g + 1];
+      const std::vector<int64_t> seq_costs(lens + begin, lens + end);
+      int64_t runs = end - begin;  // without a shared prefix, a run per sequence
+      if (group_shared[g] > 0) {
+        int64_t tokens = 0;
+        for (const int64_t c : seq_costs) tokens += c;
+        runs = std::clamp<int64_t>((wanted * tokens + total / 2) / std::max<int64_t>(total, 1), 1, end - begin);
+      }
+      const std::vector<int64_t> bounds = balanced_runs(seq_costs, runs);
+      for (int64_t r = 1; r <= runs; ++r) run_bounds.push_back(begin + bounds[r]);
     }
-    const std::vector<int64_t> seq_costs(lens, lens + seqs);
-    run_bounds = balanced_runs(seq_costs, seq_runs);
-    for (int64_t r = 0; r < seq_runs; ++r) {
+    const int64_t num_runs = static_cast<int64_t>(run_bounds.size()) - 1;
+    for (int64_t r = 0; r < num_runs; ++r) {
       int64_t tokens = 0;
       for (int64_t s = run_bounds[r]; s < run_bounds[r + 1]; ++s) tokens += lens[s];
+      run_shared.push_back(any_shared ? shared_of(run_bounds[r], run_bounds[r + 1]) : 0);
       costs.insert(costs.end(), head_tasks, tokens);
     }
   }
 
   Task at(int64_t task) const {
     const int64_t run = task / head_tasks;
-    return {task % head_tasks * heads_per_task, run_bounds[run], run_bounds[run + 1]};
+    return {task % head_tasks * heads_per_task, run_bounds[run], run_bounds[run + 1], run_shared[run]};
   }
   // fn(begin, end) over ranges of task numbers, one per thread.
   template <typename Fn>

@@ -17,6 +17,13 @@ namespace pagecli {
 // the caches in the query's dtype, or int8/fp8 (kv_format.py, decode_attention_tiled.cpp).
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+// How paged_decode_attention splits a step into tasks: (first kv head, first sequence, end sequence,
+// shared prefix tokens) per task, for a kernel whose shared prefix is a multiple of share_unit
+// tokens (0: none) and that widens every head of a prefix at once or not (the AMX kernel does).
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decode_task_split(torch::Tensor block_tables, torch::Tensor seq_lens,
+                                                                             int64_t block_size, int64_t kv_heads,
+                                                                             int64_t share_unit, int64_t threads,
+                                                                             bool heads_together);
 
 // kv_quant.cpp: rows [num_tokens, kv_heads, head_dim] (float32/bf16/fp16) into slots [num_tokens] int64
 // (-1: skip) of an int8 or fp8 cache [num_blocks, block_size, kv_heads, head_dim + 2], as

@@ -14,9 +14,9 @@ namespace {
 // whole context (two passes: softmax in fp32, then the weighted sum of V), reading K and V
 // straight from the blocks named by the block table.
 //
-// When every sequence starts with the same blocks (a shared system prompt), a task takes one kv
-// head for a run of sequences and widens each tile of the shared prefix once for all of them,
-// instead of once per sequence. Every query row still sees the same tiles in the same order, with
+// When sequences start with the same blocks (a shared system prompt, the candidates of a forked
+// request: DecodeTasks), a task takes one kv head for a run of them and widens each tile of their
+// shared prefix once for all of them, instead of once per sequence. Every query row still sees the same tiles in the same order, with
 // the same arithmetic, so the results are bit-identical either way.
 template <int CHUNKS, typename scalar_t>
 void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
@@ -42,8 +42,8 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t slot_stride = kv_heads * head_dim;  // one token of one block
   const float fscale = static_cast<float>(scale);
 
-  const int64_t shared = CHUNKS > 0 ? shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) : 0;
-  const DecodeTasks tasks(lens, num_seqs, kv_heads, shared > 0, at::get_num_threads(), false);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, CHUNKS > 0 ? 16 : 0,
+                          at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
@@ -53,7 +53,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
     const scalar_t* tile_rows[16];
     alignas(64) float tile_buf[16 * 16 * (CHUNKS > 0 ? CHUNKS : 1)];
     for (int64_t task = begin; task < end; ++task) {
-      const auto [h0, s_begin, s_end] = tasks.at(task);
+      const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
       acc.assign(seqs * width * head_dim, 0.f);
@@ -187,8 +187,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t slot_stride = kv_heads * dim;
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t shared = shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size) / 32 * 32;
-  const DecodeTasks tasks(lens, num_seqs, kv_heads, shared > 0, at::get_num_threads(), true);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 32, at::get_num_threads(), true);
   // With blocks of a multiple of 16 tokens, a 16-token tile lies in one block: tile loads read its
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;
@@ -206,7 +205,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
     std::vector<float> acc(16 * 16 * dim);                // [sequence of the batch][16 rows][dim]
     alignas(64) float tile[16 * 16];
     for (int64_t task = begin; task < end; ++task) {
-      const auto [h0, s_begin, s_end] = tasks.at(task);
+      const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       if (shared > 0) {
         shared_v.resize(tasks.heads_per_task * shared / 32 * dim_blocks * 256);
         for (int64_t h = 0; h < tasks.heads_per_task; ++h) {
@@ -413,6 +412,25 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   PAGECLI_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_for_dim<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decode_task_split(torch::Tensor block_tables, torch::Tensor seq_lens,
+                                                                             int64_t block_size, int64_t kv_heads,
+                                                                             int64_t share_unit, int64_t threads,
+                                                                             bool heads_together) {
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous int32 [seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) == block_tables.size(0),
+              "seq_lens must be contiguous int32 with an entry per sequence");
+  const DecodeTasks tasks(block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
+                          seq_lens.size(0), block_size, kv_heads, share_unit, threads, heads_together);
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> split;
+  for (int64_t task = 0; task < static_cast<int64_t>(tasks.costs.size()); ++task) {
+    const auto t = tasks.at(task);
+    split.emplace_back(t.h0, t.s_begin, t.s_end, t.shared);
+  }
+  return split;
 }
 
 }  // namespace pagecli

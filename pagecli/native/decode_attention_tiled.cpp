@@ -36,8 +36,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  const int64_t shared = shared_prefix_tokens(tables, max_blocks, lens, num_seqs, block_size);
-  const DecodeTasks tasks(lens, num_seqs, kv_heads, shared > 0, at::get_num_threads(), false);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
@@ -49,7 +48,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
     int64_t tile_slots[16], ahead_slots[16];
     float tile_scales[16], weights[16];
     for (int64_t task = begin; task < end; ++task) {
-      const auto [h0, s_begin, s_end] = tasks.at(task);
+      const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
       acc.assign(seqs * width * head_dim, 0.f);
