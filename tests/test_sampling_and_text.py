@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pagecli.config import SamplingParams
+from pagecli.engine import sampler
 from pagecli.engine.detokenizer import IncrementalDetokenizer
-from pagecli.engine.sampler import apply_repetition_penalty, filtered_probs
+from pagecli.engine.sampler import apply_repetition_penalty, draw, filtered_probs, skip_draw
 from pagecli.errors import PagecliError
 
 
@@ -27,6 +30,30 @@ def test_min_p_drops_tokens_below_a_share_of_the_best():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.06, 0.04]))
     probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
     assert (probs > 0).tolist() == [True, True, False, False]
+
+
+def test_a_draw_follows_the_distribution_and_never_picks_a_token_of_probability_zero():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(20000)]), minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    torch.testing.assert_close(counts.double() / 20000, probs.double(), atol=0.012, rtol=0)
+
+
+def test_a_draw_past_the_last_cumulative_probability_takes_the_last_possible_token(monkeypatch):
+    # u * total can round up to the total; no cumulative probability is then above it.
+    monkeypatch.setattr(sampler.torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.25, 0.75, 0.0, 0.0]), None) == 1
+
+
+def test_skipping_a_draw_moves_the_stream_as_a_draw_does():
+    # A forced token (structured output) skips its draw; the sequence's later draws must be those of
+    # step-by-step decoding, whatever the probabilities of the draw that was skipped.
+    probs = torch.tensor([0.2, 0.5, 0.3])
+    drawn, skipped = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    draw(torch.tensor([0.0, 1.0, 0.0]), drawn)
+    skip_draw(SimpleNamespace(generator=skipped))
+    assert [draw(probs, drawn) for _ in range(50)] == [draw(probs, skipped) for _ in range(50)]
 
 
 def test_repetition_penalty_lowers_seen_tokens_both_signs():

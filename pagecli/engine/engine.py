@@ -338,7 +338,7 @@ class Engine:
         turns a decode step into a slower mixed one (measured: 16 constrained sequences 25% slower with it)."""
         events = []
         while not seq.is_finished and (token_id := seq.grammar.forced_token()) is not None:
-            skip_draw(seq, self.loaded.spec.vocab_size)
+            skip_draw(seq)
             events.append(self._on_token(seq, token_id))
         return events
 
