@@ -133,8 +133,10 @@ def run_throughput(args: argparse.Namespace) -> None:
               f"  pagecli / vLLM: {statistics.median(forked) / statistics.median(peers):.2f}x of the medians; "
               f"per round {' '.join(f'{r:.2f}' for r in per_round)} (median {statistics.median(per_round):.2f}x)")
     if not args.no_separate:
-        # The last round's prompts again, their blocks cached by its forked run.
-        separate, separate_peak = output_tok_s(engine, rounds[-1], 1, args.n, args.max_tokens)
+        # Prompts of their own: with prefix caching on, each prompt's first request prefills it and the other
+        # n - 1 find its blocks in the cache (a forked round's prompts would all be found there, prefill-free).
+        fresh = round_prompts(engine, base, args, reps)
+        separate, separate_peak = output_tok_s(engine, fresh, 1, args.n, args.max_tokens)
         print(f"  separate requests with prefix caching {separate:.1f} tok/s (peak {separate_peak} blocks); "
               f"ratio forked / separate {statistics.median(forked) / separate:.2f}")
 

@@ -55,14 +55,37 @@ def templated(tok, messages) -> list[int]:
 
 def prompt_of_length(tok, rng: random.Random, target: int, prefix: str = "Summarise in one paragraph: ") -> list[int]:
     """A chat prompt of exactly `target` tokens (words drawn at random, then trimmed)."""
+    return templated(tok, [{"role": "user", "content": message_of_length(tok, rng, target, prefix)}])
+
+
+def message_of_length(tok, rng: random.Random, target: int, prefix: str = "Summarise in one paragraph: ") -> str:
+    """The user message of prompt_of_length's prompt (the same words for the same rng state)."""
     words = [rng.choice(WORDS) for _ in range(target)]
-    ids = templated(tok, [{"role": "user", "content": prefix + " ".join(words)}])
+    text = prefix + " ".join(words)
+    ids = templated(tok, [{"role": "user", "content": text}])
     while len(ids) > target and words:
         words = words[: max(1, len(words) - max(1, (len(ids) - target) // 2))]
-        ids = templated(tok, [{"role": "user", "content": prefix + " ".join(words)}])
+        text = prefix + " ".join(words)
+        ids = templated(tok, [{"role": "user", "content": text}])
         if len(words) == 1:
             break
-    return ids
+    return text
+
+
+def batch_messages(folder: str) -> list[str]:
+    """The user messages of build_workloads' batch prompts, in the same order (for servers' chat endpoints)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(0)
+    return [message_of_length(tok, rng, t) for t in batch_lengths(rng)]
+
+
+def batch_lengths(rng: random.Random) -> list[int]:
+    """The batch workload's 64 prompt lengths, 39..596 tokens, in a shuffled order."""
+    targets = [round(39 + (596 - 39) * i / 63) for i in range(64)]
+    rng.shuffle(targets)
+    return targets
 
 
 def build_workloads(folder: str) -> dict:
@@ -70,9 +93,7 @@ def build_workloads(folder: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(folder)
     rng = random.Random(0)
-    targets = [round(39 + (596 - 39) * i / 63) for i in range(64)]
-    rng.shuffle(targets)
-    batch = [prompt_of_length(tok, rng, t) for t in targets]
+    batch = [prompt_of_length(tok, rng, t) for t in batch_lengths(rng)]
     system = "You are a careful analyst. Context: " + " ".join(rng.choice(WORDS) for _ in range(1510))
     shared = [templated(tok, [{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in QUESTIONS]
     single = templated(tok, [{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
