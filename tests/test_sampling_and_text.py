@@ -10,7 +10,7 @@ import torch
 from pagecli.config import SamplingParams
 from pagecli.engine import sampler
 from pagecli.engine.detokenizer import IncrementalDetokenizer
-from pagecli.engine.sampler import apply_repetition_penalty, draw, filtered_probs, skip_draw
+from pagecli.engine.sampler import apply_repetition_penalty, draw, draw_rows, filtered_probs, skip_draw
 from pagecli.errors import PagecliError
 
 
@@ -38,6 +38,19 @@ def test_a_draw_follows_the_distribution_and_never_picks_a_token_of_probability_
     counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(20000)]), minlength=5)
     assert counts[1] == 0 and counts[4] == 0
     torch.testing.assert_close(counts.double() / 20000, probs.double(), atol=0.012, rtol=0)
+
+
+def test_rows_drawn_together_get_what_each_gets_alone():
+    # Sampled rows of a step are drawn together; a seeded request must not depend on its batch. A
+    # vocabulary that is not a whole number of the draw's chunks, peaked and flat rows, zeros.
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(48, 1000, generator=gen) * torch.tensor([0.1, 3.0, 30.0]).repeat(16)[:, None]
+    logits[::5, 500:] = float("-inf")
+    probs = logits.softmax(dim=-1)
+    together = draw_rows(probs, [torch.Generator().manual_seed(i) for i in range(48)])
+    alone = [draw(probs[i], torch.Generator().manual_seed(i)) for i in range(48)]
+    assert together == alone
+    assert all(probs[i, token] > 0 for i, token in enumerate(together))
 
 
 def test_a_draw_past_the_last_cumulative_probability_takes_the_last_possible_token(monkeypatch):
