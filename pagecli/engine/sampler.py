@@ -103,12 +103,14 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
     inside = chunks.gather(1, chunk.unsqueeze(2).expand(rows, 1, _CHUNK)).squeeze(1).double().cumsum(dim=-1)
     offset = torch.searchsorted(inside + before, target, right=True)
-    tokens = (chunk * _CHUNK + offset).squeeze(1).tolist()
-    for row, token in enumerate(tokens):
-        if token >= vocab or offset[row, 0] >= _CHUNK or probs[row, token] == 0:  # rounding at a chunk's end
-            end = min(vocab, (int(chunk[row, 0]) + 1) * _CHUNK)
-            possible = probs[row, :end].nonzero()
-            tokens[row] = int(possible[-1]) if len(possible) else int(probs[row].nonzero()[-1])
+    picked = chunk * _CHUNK + offset  # [rows, 1]
+    # Rounding at a chunk's end can pass every token of the chunk it landed in: take its last possible one.
+    stray = (offset >= _CHUNK) | (picked >= vocab) | (probs.gather(1, picked.clamp(max=vocab - 1)) == 0)
+    tokens = picked.squeeze(1).tolist()
+    for row in stray.squeeze(1).nonzero().flatten().tolist():
+        end = min(vocab, (int(chunk[row, 0]) + 1) * _CHUNK)
+        possible = probs[row, :end].nonzero()
+        tokens[row] = int(possible[-1]) if len(possible) else int(probs[row].nonzero()[-1])
     return tokens
 
 
