@@ -436,6 +436,42 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_kernels(ti
     assert generate_tokens(tiny_llama, "float32") == with_kernels
 
 
+def test_prompts_as_decode_rows_match_the_reference_and_do_not_depend_on_chunks(ops):
+    # Without AMX, bf16 prompts run through the decode kernel a row per token (token_rows): each row
+    # sees its causal context, and a chunk after cached tokens gets the bits the whole prompt gives.
+    seq_lens, query_lens = PREFILL_LENS
+    query_all, k_cache, v_cache, tables, lens = paged_decode_case(
+        seq_lens, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16, seed=9
+    )
+    if not ops.paged_decode_bf16_supported(query_all, k_cache):
+        pytest.skip("the AVX512-BF16 decode kernel is not built at this level")
+    width = tables.shape[1]
+    block_lists = [row[: -(-n // 16)] for row, n in zip(tables.tolist(), seq_lens)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, block_lists, [0] * sum(query_lens), 0)
+    row_tables, row_lens = meta.token_rows()
+    assert row_tables.shape[0] == sum(query_lens) and row_tables.shape[1] <= width
+    gen = torch.Generator().manual_seed(10)
+    query = torch.randn(sum(query_lens), 9, 64, generator=gen).bfloat16()
+    whole = torch.empty_like(query)
+    ops.paged_decode_attention(whole, query, k_cache, v_cache, row_tables, row_lens, 0.125)
+    expected = reference_paged_attention(query.float(), k_cache, v_cache, tables, meta.query_start_loc,
+                                         meta.seq_lens, 0.125)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(whole.float(), expected, atol=atol, rtol=rtol)
+    # The 300-token sequence's 123 new rows, cut into 50 + 40 + 33 as three steps would.
+    s, first = len(seq_lens) - 1, int(meta.query_start_loc[-2])
+    done, chunks = 0, []
+    for rows in (50, 40, 33):
+        chunk = AttentionMetadata.build([rows], [seq_lens[s] - 123 + done + rows], [block_lists[s]], [0] * rows, 0)
+        part_tables, part_lens = chunk.token_rows()
+        out = torch.empty(rows, 9, 64).bfloat16()
+        ops.paged_decode_attention(out, query[first + done : first + done + rows], k_cache, v_cache, part_tables,
+                                   part_lens, 0.125)
+        chunks.append(out)
+        done += rows
+    assert torch.equal(torch.cat(chunks), whole[first : first + 123])
+
+
 @pytest.mark.parametrize("level", COMPILED_LEVELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_level_forced_gives_the_pytorch_paths_greedy_tokens(tiny_llama, monkeypatch, level, dtype):
@@ -448,9 +484,11 @@ def test_every_level_forced_gives_the_pytorch_paths_greedy_tokens(tiny_llama, mo
     assert native.cpu_ops() is not None and native.level() == level
 
 
-def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_hits_or_batching(tiny_model_factory):
-    # test_engine_invariance.py's checks, in bf16 with head size 32, where prefill and decode
-    # attention run on AMX tiles (and the linear layers on AMX or oneDNN by row count).
+def test_bf16_greedy_output_on_the_native_attention_does_not_depend_on_chunks_prefix_hits_or_batching(
+        tiny_model_factory):
+    # test_engine_invariance.py's checks, in bf16 with head size 32, where prompts and decodes both
+    # run on pagecli's attention kernels: AMX tiles, or (without AMX) the AVX512-BF16 decode kernel
+    # with a row per prompt token; the linear layers on AMX, the packed GEMM or oneDNN by row count.
     from test_engine_invariance import GREEDY, PROMPTS
 
     folder = tiny_model_factory("qwen3")
@@ -458,9 +496,11 @@ def test_bf16_greedy_output_on_the_amx_kernels_does_not_depend_on_chunks_prefix_
     def run(prompts=PROMPTS, **config):
         settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 16, "num_blocks": 256, **config}
         with Engine(str(folder), EngineConfig(**settings)) as engine:
-            if not engine.backend.cpu_ops.paged_prefill_supported(torch.empty(1, 1, 32).bfloat16(),
-                                                                  engine.runner.kv_caches[0, 0]):
-                pytest.skip("the prefill kernel needs AMX tiles, which this CPU or kernel does not grant")
+            query, cache = torch.empty(1, 1, 32).bfloat16(), engine.runner.kv_caches[0, 0]
+            ops = engine.backend.cpu_ops
+            if ops is None or not (ops.paged_prefill_supported(query, cache)
+                                   or ops.paged_decode_bf16_supported(query, cache)):
+                pytest.skip("prompts run on PyTorch's attention here (no AMX tiles, no AVX512-BF16)")
             outs = [o.token_ids for o in engine.generate(prompts, GREEDY)]
             if config.get("enable_prefix_caching"):
                 assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == outs  # now from the cache

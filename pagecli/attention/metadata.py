@@ -39,6 +39,22 @@ class AttentionMetadata:
             self._memo[i] = slots
         return slots
 
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token as a sequence of its own: its sequence's block table row and the context
+        length it sees (causal: token j of a chunk of n ending at seq_len sees seq_len - n + 1 + j
+        positions). A decode kernel run over these rows is prefill attention: [num_tokens, max_blocks]
+        int32 and [num_tokens] int32, built once per step."""
+        rows = self._memo.get("token_rows")
+        if rows is None:
+            counts = torch.tensor(self.query_lens_host, dtype=torch.long, device=self.block_tables.device)
+            tables = self.block_tables.repeat_interleave(counts, dim=0)
+            ends = self.seq_lens.repeat_interleave(counts)
+            starts = self.query_start_loc[:-1].repeat_interleave(counts)
+            position = torch.arange(ends.numel(), dtype=torch.int32, device=ends.device) - starts
+            lens = (ends - counts.repeat_interleave(counts).to(torch.int32) + 1 + position).to(torch.int32)
+            rows = self._memo["token_rows"] = (tables.contiguous(), lens.contiguous())
+        return rows
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)

@@ -38,6 +38,7 @@ _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in (
     "bindings.cpp",           # the module: every entry point below, bound once
     "decode_attention.cpp",   # paged decode attention (AVX-512, AMX)
+    "decode_attention_bf16.cpp",  # paged decode attention over bf16 caches on AVX512-BF16 dot products
     "decode_attention_tiled.cpp",  # paged decode attention in 16-token tiles: int8/fp8 caches, float ones at avx2
     "kv_quant.cpp",           # storing K/V rows into int8/fp8 caches
     "prefill_attention.cpp",  # paged prefill attention (AMX)

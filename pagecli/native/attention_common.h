@@ -176,6 +176,22 @@ inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
   return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
 }
 
+// Asks for the rows of kv heads [h0, h0 + heads) of tokens [t0, t0 + count) of a paged context
+// (rows of row_bytes bytes, kv_heads of them per cache slot) to be brought into L1. A context's
+// blocks lie scattered over the pool, where the hardware prefetcher does not follow them.
+inline void prefetch_tokens(const void* cache, const int32_t* table, int64_t block_size, int64_t kv_heads,
+                            int64_t row_bytes, int64_t h0, int64_t heads, int64_t t0, int64_t count) {
+  const char* base = static_cast<const char*>(cache);
+  for (int64_t t = t0; t < t0 + count; ++t) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base + (slot_of(table, block_size, t) * kv_heads + h0) * row_bytes);
+    const uintptr_t last = first + heads * row_bytes - 1;
+    for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64) {
+      // As an asm statement: GCC 12 at -O3 vectorizes this loop and drops _mm_prefetch from it.
+      asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(line)));
+    }
+  }
+}
+
 // Tokens [0, result) of every sequence lie in the same blocks (a prompt prefix they share through
 // the prefix cache), rounded down to whole 16-token tiles; 0 when there is no such prefix.
 inline int64_t shared_prefix_tokens(const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs,
@@ -366,5 +382,11 @@ inline void pack_v_step(const c10::BFloat16* v_ptr, const int32_t* table, int64_
 void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                         int64_t num_seqs);
+
+// Decode attention over a bf16 cache on AVX512-BF16 dot products (decode_attention_bf16.cpp), where
+// paged_decode_bf16_supported (cpu_ops.h) says so.
+void paged_decode_bf16(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                       double scale);
 
 }  // namespace pagecli

@@ -14,6 +14,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pagecli::paged_decode_attention, "Paged decode attention, one query token per sequence");
+  m.def("paged_decode_bf16_supported", &pagecli::paged_decode_bf16_supported,
+        "Whether paged_decode_attention runs such query and cache on AVX512-BF16 dot products");
   m.def("decode_task_split", &pagecli::decode_task_split, "How paged_decode_attention splits a step: (h0, s_begin, s_end, shared) per task");
   m.def("store_kv_quantized", &pagecli::store_kv_quantized,
         "K or V rows into the slots of an int8/fp8 cache, as kv_format.quantize_rows writes them");

@@ -18,6 +18,9 @@ namespace {
 // request: DecodeTasks), a task takes one kv head for a run of them and widens each tile of their
 // shared prefix once for all of them, instead of once per sequence. Every query row still sees the same tiles in the same order, with
 // the same arithmetic, so the results are bit-identical either way.
+// How far ahead of its tile a token's K or V rows are fetched.
+constexpr int64_t kPrefetchTokens = 32;
+
 template <int CHUNKS, typename scalar_t>
 void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -79,7 +82,16 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
           for (int64_t i = 0; i < n; ++i) tile_slots[i] = slot_of(table, block_size, start + i);
           for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
         };
+        const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+        auto prefetch = [&](const int32_t* table, int64_t len, int64_t start, int64_t heads) {
+          const int64_t ahead = start + kPrefetchTokens;
+          if (ahead < len) {
+            prefetch_tokens(cache, table, block_size, kv_heads, row_bytes, h0, heads, ahead,
+                            std::min<int64_t>(16, len - ahead));
+          }
+        };
         for (int64_t start = 0; start < shared; start += 16) {
+          prefetch(tables + s_begin * max_blocks, shared, start, 1);
           load_tile(tables + s_begin * max_blocks, start, 16, 0);
           for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start, j == 0);
         }
@@ -87,6 +99,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
           const int64_t len = lens[s_begin + j];
           for (int64_t start = shared; start < len; start += 16) {
             const int64_t n = std::min<int64_t>(16, len - start);
+            prefetch(tables + (s_begin + j) * max_blocks, len, start, heads_per_task);
             for (int64_t h = 0; h < heads_per_task; ++h) {
               load_tile(tables + (s_begin + j) * max_blocks, start, n, h);
               visit(j, h, n, start, true);
@@ -356,6 +369,13 @@ void paged_decode_for_dim(torch::Tensor& out, const torch::Tensor& query, const 
     const int64_t dim = query.size(2);
     if (dim % 32 == 0 && dim <= 256 && query.size(1) / k_cache.size(2) <= 16 && amx_granted()) {
       return paged_decode_amx(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    }
+  }
+#endif
+#if PAGECLI_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (paged_decode_bf16_supported(query, k_cache)) {
+      return paged_decode_bf16(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
     }
   }
 #endif

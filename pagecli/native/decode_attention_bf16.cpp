@@ -1,0 +1,212 @@
+// Paged decode attention over bf16 caches with AVX512-BF16 dot products (vdpbf16ps), for CPUs that
+// have them without AMX (Zen 4/5, Ice Lake and Cooper Lake servers): the K and V rows are used as
+// they lie in the cache, never widened to fp32 in memory.
+
+#include "attention_common.h"
+#include "cpu_ops.h"
+
+namespace pagecli {
+
+#if PAGECLI_HAVE_BF16_DOT
+namespace {
+
+constexpr int64_t kAheadTokens = 32;  // how far ahead of its tile a token's K or V rows are fetched
+
+// Scores of up to 16 K rows (D = 32 * CHUNKS bf16 each) for one query head q (CHUNKS vectors of 32
+// bf16): out[i] = scale * q . k_i, each dot product a chain of vdpbf16ps over the row's 32-dim chunks
+// (pairs of products summed in fp32), then the 16 chains summed lane-wise.
+template <int CHUNKS>
+inline void bf16_tile_scores(const __m512bh* q, const c10::BFloat16* const* rows, int64_t n, __m512 scale,
+                             float* out) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    if (i < n) {
+      const __m512i* row = reinterpret_cast<const __m512i*>(rows[i]);
+      for (int c = 0; c < CHUNKS; ++c) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row + c), q[c]);
+    }
+  }
+  _mm512_mask_storeu_ps(out, first_lanes(n), _mm512_mul_ps(sum_lanes_16(acc), scale));
+}
+
+// acc += sum over the tile's tokens i < n of w[i] * v_i, two tokens per vdpbf16ps: the weights are
+// rounded to bf16 (as the AMX kernel's P V does) and rows t, t+1 interleaved by 16-bit words, so
+// acc's 2 * CHUNKS vectors hold the dims in interleaved order (see natural_dims).
+template <int CHUNKS>
+inline void bf16_tile_accumulate(float* acc, const float* w, const c10::BFloat16* const* rows, int64_t n) {
+  alignas(64) uint32_t pairs[8];  // bf16(w[2p]) | bf16(w[2p + 1]) << 16
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
+                     (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(n), w)));
+  __m512 o[2 * CHUNKS];
+  for (int c = 0; c < 2 * CHUNKS; ++c) o[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t i = 0; i < n; i += 2) {
+    const __m512i* even = reinterpret_cast<const __m512i*>(rows[i]);
+    const __m512i* odd = i + 1 < n ? reinterpret_cast<const __m512i*>(rows[i + 1]) : nullptr;
+    const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i / 2]));
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m512i a = _mm512_loadu_si512(even + c);
+      const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
+      o[2 * c] = _mm512_dpbf16_ps(o[2 * c], (__m512bh)_mm512_unpacklo_epi16(a, b), weight);
+      o[2 * c + 1] = _mm512_dpbf16_ps(o[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(a, b), weight);
+    }
+  }
+  for (int c = 0; c < 2 * CHUNKS; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
+// bf16_tile_accumulate's sums in dim order: per 32 dims, the interleaving put dims 8L..8L+3 of each
+// 128-bit lane L in the first vector and 8L+4..8L+7 in the second.
+inline void natural_dims(const float* interleaved, float inv, c10::BFloat16* dst, int64_t dim) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(interleaved + d), hi = _mm512_loadu_ps(interleaved + d + 16);
+    store16(dst + d, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+    store16(dst + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
+  }
+}
+
+// The tasks and passes of paged_decode_impl (decode_attention.cpp): a task is a run of sequences and
+// kv heads; scores of each context in 16-token tiles, softmax in fp32, then the weighted sum of V in
+// the same tiles. A shared prefix's tiles are visited for all of a task's sequences in turn while
+// they are in L1. Every query row sees the same tiles with the same arithmetic whatever its batch or
+// task, so the results do not depend on either.
+template <int CHUNKS>
+void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                      double scale) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t D = 32 * CHUNKS;
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const bf16* q_ptr = query.data_ptr<bf16>();
+  const bf16* k_ptr = k_cache.data_ptr<bf16>();
+  const bf16* v_ptr = v_cache.data_ptr<bf16>();
+  bf16* o_ptr = out.data_ptr<bf16>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t slot_stride = kv_heads * D;
+  const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
+
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
+  const int64_t heads_per_task = tasks.heads_per_task;
+  tasks.run_for_each([&](int64_t begin, int64_t end) {
+    const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
+    std::vector<float> acc, scores, denom;
+    std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
+    const bf16* tile_rows[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [h0, s_begin, s_end, shared] = tasks.at(task);
+      const int64_t seqs = s_end - s_begin;
+      acc.assign(seqs * width * D, 0.f);
+      denom.resize(seqs * width);
+      score_offset.resize(seqs + 1);
+      score_offset[0] = 0;
+      for (int64_t j = 0; j < seqs; ++j) score_offset[j + 1] = score_offset[j] + width * lens[s_begin + j];
+      scores.resize(score_offset[seqs]);  // scores[offset_j + r * len_j + t]: a row per query head
+      // visit(j, h, n, start) for every tile of every context: tokens [start, start + n) of kv head
+      // h0 + h of sequence j, their rows at tile_rows. The shared tiles come first, each for all of
+      // the task's sequences (through the first one's block table).
+      auto for_each_tile = [&](const bf16* cache, auto&& visit) {
+        auto load_tile = [&](const int32_t* table, int64_t start, int64_t n, int64_t h) {
+          int64_t block = start / block_size, offset = start % block_size;
+          for (int64_t i = 0; i < n; ++i) {
+            tile_rows[i] = cache + (static_cast<int64_t>(table[block]) * block_size + offset) * slot_stride + (h0 + h) * D;
+            if (++offset == block_size) offset = 0, ++block;
+          }
+        };
+        auto prefetch = [&](const int32_t* table, int64_t len, int64_t start, int64_t heads) {
+          const int64_t ahead = start + kAheadTokens;
+          if (ahead < len) {
+            prefetch_tokens(cache, table, block_size, kv_heads, D * 2, h0, heads, ahead, std::min<int64_t>(16, len - ahead));
+          }
+        };
+        const int32_t* first_table = tables + s_begin * max_blocks;
+        for (int64_t start = 0; start < shared; start += 16) {
+          prefetch(first_table, shared, start, 1);
+          load_tile(first_table, start, 16, 0);
+          for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start);
+        }
+        for (int64_t j = 0; j < seqs; ++j) {
+          const int32_t* table = tables + (s_begin + j) * max_blocks;
+          const int64_t len = lens[s_begin + j];
+          for (int64_t start = shared; start < len; start += 16) {
+            const int64_t n = std::min<int64_t>(16, len - start);
+            prefetch(table, len, start, heads_per_task);
+            for (int64_t h = 0; h < heads_per_task; ++h) {
+              load_tile(table, start, n, h);
+              visit(j, h, n, start);
+            }
+          }
+        }
+      };
+      for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
+        const int64_t len = lens[s_begin + j];
+        float* rows_scores = scores.data() + score_offset[j] + h * group * len + start;
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512i* q = reinterpret_cast<const __m512i*>(q_ptr + (s_begin + j) * q_s0 + ((h0 + h) * group + g) * q_s1);
+          __m512bh qv[CHUNKS];
+          for (int c = 0; c < CHUNKS; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c);
+          bf16_tile_scores<CHUNKS>(qv, tile_rows, n, scale16, rows_scores + g * len);
+        }
+      });
+      for (int64_t j = 0; j < seqs; ++j) {
+        const int64_t len = lens[s_begin + j];
+        for (int64_t r = 0; r < width; ++r) {
+          float* row = scores.data() + score_offset[j] + r * len;
+          denom[j * width + r] = exp_shifted_sum(row, len, max_of(row, len));
+        }
+      }
+      for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
+        const int64_t len = lens[s_begin + j];
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = h * group + g;
+          bf16_tile_accumulate<CHUNKS>(acc.data() + (j * width + r) * D, scores.data() + score_offset[j] + r * len + start,
+                                       tile_rows, n);
+        }
+      });
+      for (int64_t j = 0; j < seqs; ++j) {
+        for (int64_t r = 0; r < width; ++r) {
+          natural_dims(acc.data() + (j * width + r) * D, 1.f / denom[j * width + r],
+                       o_ptr + (s_begin + j) * o_s0 + (h0 * group + r) * o_s1, D);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool paged_decode_bf16_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
+  const int64_t dim = query.size(2);
+  return query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 && dim % 32 == 0 &&
+         dim <= 256;
+}
+
+void paged_decode_bf16(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                       double scale) {
+  TORCH_CHECK(paged_decode_bf16_supported(query, k_cache), "paged_decode_bf16 needs bf16 and a head size of 32-256 by 32");
+  switch (query.size(2) / 32) {
+    case 1: return decode_bf16_impl<1>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 2: return decode_bf16_impl<2>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 3: return decode_bf16_impl<3>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 4: return decode_bf16_impl<4>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 5: return decode_bf16_impl<5>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 6: return decode_bf16_impl<6>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 7: return decode_bf16_impl<7>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: return decode_bf16_impl<8>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  }
+}
+#else
+bool paged_decode_bf16_supported(const torch::Tensor&, const torch::Tensor&) { return false; }
+void paged_decode_bf16(torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                       const torch::Tensor&, const torch::Tensor&, double) {
+  TORCH_CHECK(false, "paged_decode_bf16 needs AVX512-BF16, which this build lacks");
+}
+#endif
+
+}  // namespace pagecli
