@@ -1,6 +1,6 @@
 """Where an engine run of one bench_peers workload spends its time, by kind of step.
 
-    .venv/bin/python scripts/step_times.py [batch|shared] [--threads 2]
+    .venv/bin/python scripts/step_times.py [batch|shared] [--threads 2] [--block-size 16] [--max-num-batched-tokens 2048]
 
 Runs the workload (the same prompts as scripts/bench_peers.py, bfloat16 where the CPU has it,
 prefix caching on) in this process and times every model step, grouped as prefill-only
@@ -31,11 +31,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("task", nargs="?", default="batch", choices=["batch", "shared"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                    help="the token budget of a step (prompt chunks and decodes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = str(prepare_default_model())
     prompts = build_workloads(folder)[args.task]
-    engine = Engine(folder, EngineConfig(dtype="auto", disk_cache=False))
+    engine = Engine(folder, EngineConfig(dtype="auto", disk_cache=False, block_size=args.block_size,
+                                         max_num_batched_tokens=args.max_num_batched_tokens))
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=2))  # first-call costs
 
     runner, execute = engine.runner, engine.runner.execute

@@ -53,6 +53,86 @@ inline void bf16_tile_accumulate(float* acc, const float* w, const c10::BFloat16
   for (int c = 0; c < 2 * CHUNKS; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
 }
 
+// Tiles of a prefix several sequences (or a prompt's rows) share are packed once and then used by
+// each of them, with the same operations on the same operands in the same order as the two kernels
+// above, so a row's results do not depend on whether its tiles were shared.
+//
+// K: kt[16 * c + w] holds, for each of the 16 keys (lanes), word w (dims 2w, 2w + 1) of the key's
+// c-th 32-dim chunk: the tile transposed, 16 x 16 32-bit words per chunk.
+template <int CHUNKS>
+inline void pack_k_tile(const c10::BFloat16* const* rows, __m512i* kt) {
+  for (int c = 0; c < CHUNKS; ++c) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(rows[i]) + c);
+    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane k: words 4k, 4k+1 (lo) / 4k+2, 4k+3 (hi) of rows i, i+1
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int a = 0; a < 4; ++a) {  // r[4a + m], lane k: word 4k + m of rows 4a .. 4a+3
+      r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+      r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+      r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+      r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {  // the 128-bit lanes of r[m], r[4+m], r[8+m], r[12+m] transposed
+      const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44), v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+      kt[16 * c + m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+      kt[16 * c + 4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+      kt[16 * c + 8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+      kt[16 * c + 12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+  }
+}
+
+// bf16_tile_scores over a packed tile of 16 keys: lane partial w is the same vdpbf16ps chain over the
+// chunks, for all 16 keys at once, and the partials are summed in sum_lanes_16's order.
+template <int CHUNKS>
+inline void bf16_packed_scores(const c10::BFloat16* q, const __m512i* kt, __m512 scale, float* out) {
+  const int32_t* words = reinterpret_cast<const int32_t*>(q);
+  __m512 p[16];
+  for (int w = 0; w < 16; ++w) {
+    p[w] = _mm512_setzero_ps();
+    for (int c = 0; c < CHUNKS; ++c) {
+      p[w] = _mm512_dpbf16_ps(p[w], (__m512bh)kt[16 * c + w], (__m512bh)_mm512_set1_epi32(words[16 * c + w]));
+    }
+  }
+  __m512 block[4];
+  for (int b = 0; b < 4; ++b) {
+    block[b] = _mm512_add_ps(_mm512_add_ps(p[4 * b], p[4 * b + 2]), _mm512_add_ps(p[4 * b + 1], p[4 * b + 3]));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_add_ps(block[0], block[1]), _mm512_add_ps(block[2], block[3]));
+  _mm512_storeu_ps(out, _mm512_mul_ps(sums, scale));
+}
+
+// V: vp[(j * CHUNKS + c) * 2 + half] is what bf16_tile_accumulate multiplies for tokens 2j, 2j+1.
+template <int CHUNKS>
+inline void pack_v_tile(const c10::BFloat16* const* rows, __m512i* vp) {
+  for (int j = 0; j < 8; ++j) {
+    const __m512i* even = reinterpret_cast<const __m512i*>(rows[2 * j]);
+    const __m512i* odd = reinterpret_cast<const __m512i*>(rows[2 * j + 1]);
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m512i a = _mm512_loadu_si512(even + c), b = _mm512_loadu_si512(odd + c);
+      vp[(j * CHUNKS + c) * 2] = _mm512_unpacklo_epi16(a, b);
+      vp[(j * CHUNKS + c) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
+// bf16_tile_accumulate over a packed tile of 16 tokens.
+template <int CHUNKS>
+inline void bf16_packed_accumulate(float* acc, const float* w, const __m512i* vp) {
+  alignas(64) uint32_t pairs[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w)));
+  __m512 o[2 * CHUNKS];
+  for (int c = 0; c < 2 * CHUNKS; ++c) o[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int j = 0; j < 8; ++j) {
+    const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j]));
+    for (int c = 0; c < 2 * CHUNKS; ++c) o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)vp[j * 2 * CHUNKS + c], weight);
+  }
+  for (int c = 0; c < 2 * CHUNKS; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
 // bf16_tile_accumulate's sums in dim order: per 32 dims, the interleaving put dims 8L..8L+3 of each
 // 128-bit lane L in the first vector and 8L+4..8L+7 in the second.
 inline void natural_dims(const float* interleaved, float inv, c10::BFloat16* dst, int64_t dim) {
@@ -98,6 +178,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
     std::vector<float> acc, scores, denom;
     std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
     const bf16* tile_rows[16];
+    std::vector<__m512i> packed(16 * CHUNKS);  // a shared tile, packed: pack_k_tile's or pack_v_tile's layout
     for (int64_t task = begin; task < end; ++task) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
@@ -107,9 +188,9 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
       score_offset[0] = 0;
       for (int64_t j = 0; j < seqs; ++j) score_offset[j + 1] = score_offset[j] + width * lens[s_begin + j];
       scores.resize(score_offset[seqs]);  // scores[offset_j + r * len_j + t]: a row per query head
-      // visit(j, h, n, start) for every tile of every context: tokens [start, start + n) of kv head
-      // h0 + h of sequence j, their rows at tile_rows. The shared tiles come first, each for all of
-      // the task's sequences (through the first one's block table).
+      // visit(j, h, n, start, is_packed) for every tile of every context: tokens [start, start + n)
+      // of kv head h0 + h of sequence j, their rows at tile_rows. The shared tiles come first, each
+      // packed once (is_packed) for all of the task's sequences (through the first one's block table).
       auto for_each_tile = [&](const bf16* cache, auto&& visit) {
         auto load_tile = [&](const int32_t* table, int64_t start, int64_t n, int64_t h) {
           int64_t block = start / block_size, offset = start % block_size;
@@ -128,7 +209,12 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
         for (int64_t start = 0; start < shared; start += 16) {
           prefetch(first_table, shared, start, 1);
           load_tile(first_table, start, 16, 0);
-          for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start);
+          if (cache == k_ptr) {
+            pack_k_tile<CHUNKS>(tile_rows, packed.data());
+          } else {
+            pack_v_tile<CHUNKS>(tile_rows, packed.data());
+          }
+          for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start, true);
         }
         for (int64_t j = 0; j < seqs; ++j) {
           const int32_t* table = tables + (s_begin + j) * max_blocks;
@@ -138,16 +224,21 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
             prefetch(table, len, start, heads_per_task);
             for (int64_t h = 0; h < heads_per_task; ++h) {
               load_tile(table, start, n, h);
-              visit(j, h, n, start);
+              visit(j, h, n, start, false);
             }
           }
         }
       };
-      for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
+      for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool is_packed) {
         const int64_t len = lens[s_begin + j];
         float* rows_scores = scores.data() + score_offset[j] + h * group * len + start;
         for (int64_t g = 0; g < group; ++g) {
-          const __m512i* q = reinterpret_cast<const __m512i*>(q_ptr + (s_begin + j) * q_s0 + ((h0 + h) * group + g) * q_s1);
+          const bf16* q_row = q_ptr + (s_begin + j) * q_s0 + ((h0 + h) * group + g) * q_s1;
+          if (is_packed) {
+            bf16_packed_scores<CHUNKS>(q_row, packed.data(), scale16, rows_scores + g * len);
+            continue;
+          }
+          const __m512i* q = reinterpret_cast<const __m512i*>(q_row);
           __m512bh qv[CHUNKS];
           for (int c = 0; c < CHUNKS; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c);
           bf16_tile_scores<CHUNKS>(qv, tile_rows, n, scale16, rows_scores + g * len);
@@ -160,12 +251,17 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
           denom[j * width + r] = exp_shifted_sum(row, len, max_of(row, len));
         }
       }
-      for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
+      for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool is_packed) {
         const int64_t len = lens[s_begin + j];
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
-          bf16_tile_accumulate<CHUNKS>(acc.data() + (j * width + r) * D, scores.data() + score_offset[j] + r * len + start,
-                                       tile_rows, n);
+          float* sums = acc.data() + (j * width + r) * D;
+          const float* weights = scores.data() + score_offset[j] + r * len + start;
+          if (is_packed) {
+            bf16_packed_accumulate<CHUNKS>(sums, weights, packed.data());
+          } else {
+            bf16_tile_accumulate<CHUNKS>(sums, weights, tile_rows, n);
+          }
         }
       });
       for (int64_t j = 0; j < seqs; ++j) {
