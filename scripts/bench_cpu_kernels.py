@@ -10,7 +10,8 @@ Prints, best of several repeats (run it on an otherwise idle machine):
   attention one decode step's paged attention (30 layers) for 16 sequences of ~1,550 tokens, with
             and without a shared 1,500-token prefix in their block tables (one layer's cache, read
             30 times); 64 sequences of the batch workload's lengths over every layer's own cache;
-            prefill attention of three steps, the AMX kernel against PyTorch's SDPA
+            prefill attention of three steps, pagecli's kernel (AMX, or without AMX the AVX512-BF16
+            decode kernel a row per prompt token) against PyTorch's SDPA
   step      one decode token through the whole model (no engine): DecodeStep (C++) against the
             Python layer loop with the same kernels
 
@@ -195,26 +196,33 @@ def batch_attention(ops, spec, bs: int) -> None:
     kv_bytes = sum(lens) * spec.num_kv_heads * spec.head_dim * 2 * 2 * spec.num_layers
     print(f"decode attention, 64 sequences of {min(lens)}-{max(lens)} tokens in shuffled blocks, each layer its own "
           f"cache: {ms:.2f} ms per step ({kv_bytes / ms / 1e6:.1f} GB/s of K/V)")
-    if not ops.paged_prefill_supported(q, caches[0, 0]):
-        print("prefill attention: the AMX kernel needs AMX tiles, which this CPU or kernel does not grant")
+    if ops.paged_prefill_supported(q, caches[0, 0]):
+        kernel = "AMX kernel"
+    elif ops.paged_decode_bf16_supported(q, caches[0, 0]):
+        kernel = "AVX512-BF16 token rows"  # the decode kernel, a row per prompt token
+    else:
+        print("prefill attention: pagecli's kernels need AMX tiles or AVX512-BF16, which this CPU lacks")
         return
     native = TorchAttentionBackend(ops)
     sdpa = TorchAttentionBackend(ops)
     sdpa._native_prefill = lambda *args: False  # the per-sequence PyTorch path
+    sdpa._prompts_as_decode_rows = lambda *args: False
     cases = {
         "a batch step: 7 prompts of 39-596 tokens, the first 16 tokens of each cached":
             ([300, 450, 120, 596, 39, 250, 310], [284, 434, 104, 580, 23, 234, 294]),
         "one 2,000-token prompt": ([2000], [2000]),
+        "the batch workload's 64 prompts of 39-596 tokens, whole":
+            (torch.randint(39, 597, (64,), generator=gen).tolist(),) * 2,
         "16 questions of 60 tokens after a 1,500-token cached prefix": ([1560] * 16, [60] * 16),
     }
     for label, (seq_lens, query_lens) in cases.items():
         meta, caches, q = scattered_case(spec, bs, seq_lens, query_lens)
         times = {}
-        for name, backend in (("PyTorch SDPA", sdpa), ("AMX kernel", native)):
+        for name, backend in (("PyTorch SDPA", sdpa), (kernel, native)):
             times[name] = best_ms(lambda: [backend.forward(q, layer[0], layer[1], meta, 0.125) for layer in caches],
                                   inner=1, repeats=5)
         print(f"prefill attention, {label}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
-              + f" per step ({times['PyTorch SDPA'] / times['AMX kernel']:.1f}x)")
+              + f" per step ({times['PyTorch SDPA'] / times[kernel]:.1f}x)")
 
 
 if __name__ == "__main__":
