@@ -262,6 +262,29 @@ inline std::vector<int64_t> prefix_group_bounds(const int32_t* tables, int64_t m
   return bounds;
 }
 
+// What a task of the two-pass decode kernels keeps per query head (r < width) of each of its
+// sequences (j): the scores over its context, a contiguous row of len_j floats (so the softmax
+// passes are vectorized), the softmax denominator, and the weighted sum of V (dim floats). Kept
+// from task to task of a thread.
+struct TaskScratch {
+  std::vector<float> acc, scores, denom;
+  std::vector<int64_t> offset;  // sequence j's [width][len_j] scores start at offset[j]
+  const int32_t* lens = nullptr;
+  int64_t width = 0, dim = 0;
+
+  void reset(const int32_t* task_lens, int64_t seqs, int64_t heads, int64_t head_dim) {
+    lens = task_lens, width = heads, dim = head_dim;
+    acc.assign(seqs * width * dim, 0.f);
+    denom.resize(seqs * width);
+    offset.resize(seqs + 1);
+    offset[0] = 0;
+    for (int64_t j = 0; j < seqs; ++j) offset[j + 1] = offset[j] + width * lens[j];
+    scores.resize(offset[seqs]);
+  }
+  float* scores_of(int64_t j, int64_t r) { return scores.data() + offset[j] + r * lens[j]; }
+  float* acc_of(int64_t j, int64_t r) { return acc.data() + (j * width + r) * dim; }
+};
+
 // How the decode-attention kernels split a step into tasks. A task is a run of sequences
 // [s_begin, s_end), the kv heads [h0, h0 + heads_per_task), and the tokens [0, shared) the run's
 // sequences all hold in the same blocks (a multiple of `share_unit` tokens; share_unit 0 shares

@@ -175,19 +175,13 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
-    std::vector<float> acc, scores, denom;
-    std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
+    TaskScratch scratch;
     const bf16* tile_rows[16];
     std::vector<__m512i> packed(16 * CHUNKS);  // a shared tile, packed: pack_k_tile's or pack_v_tile's layout
     for (int64_t task = begin; task < end; ++task) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
-      acc.assign(seqs * width * D, 0.f);
-      denom.resize(seqs * width);
-      score_offset.resize(seqs + 1);
-      score_offset[0] = 0;
-      for (int64_t j = 0; j < seqs; ++j) score_offset[j + 1] = score_offset[j] + width * lens[s_begin + j];
-      scores.resize(score_offset[seqs]);  // scores[offset_j + r * len_j + t]: a row per query head
+      scratch.reset(lens + s_begin, seqs, width, D);
       // visit(j, h, n, start, is_packed) for every tile of every context: tokens [start, start + n)
       // of kv head h0 + h of sequence j, their rows at tile_rows. The shared tiles come first, each
       // packed once (is_packed) for all of the task's sequences (through the first one's block table).
@@ -231,7 +225,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
       };
       for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool is_packed) {
         const int64_t len = lens[s_begin + j];
-        float* rows_scores = scores.data() + score_offset[j] + h * group * len + start;
+        float* rows_scores = scratch.scores_of(j, h * group) + start;
         for (int64_t g = 0; g < group; ++g) {
           const bf16* q_row = q_ptr + (s_begin + j) * q_s0 + ((h0 + h) * group + g) * q_s1;
           if (is_packed) {
@@ -247,16 +241,15 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
       for (int64_t j = 0; j < seqs; ++j) {
         const int64_t len = lens[s_begin + j];
         for (int64_t r = 0; r < width; ++r) {
-          float* row = scores.data() + score_offset[j] + r * len;
-          denom[j * width + r] = exp_shifted_sum(row, len, max_of(row, len));
+          float* row = scratch.scores_of(j, r);
+          scratch.denom[j * width + r] = exp_shifted_sum(row, len, max_of(row, len));
         }
       }
       for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start, bool is_packed) {
-        const int64_t len = lens[s_begin + j];
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
-          float* sums = acc.data() + (j * width + r) * D;
-          const float* weights = scores.data() + score_offset[j] + r * len + start;
+          float* sums = scratch.acc_of(j, r);
+          const float* weights = scratch.scores_of(j, r) + start;
           if (is_packed) {
             bf16_packed_accumulate<CHUNKS>(sums, weights, packed.data());
           } else {
@@ -266,7 +259,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
       });
       for (int64_t j = 0; j < seqs; ++j) {
         for (int64_t r = 0; r < width; ++r) {
-          natural_dims(acc.data() + (j * width + r) * D, 1.f / denom[j * width + r],
+          natural_dims(scratch.acc_of(j, r), 1.f / scratch.denom[j * width + r],
                        o_ptr + (s_begin + j) * o_s0 + (h0 * group + r) * o_s1, D);
         }
       }

@@ -40,8 +40,8 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
-    std::vector<float> q_buf, acc, scores, denom;
-    std::vector<int64_t> score_offset;  // where each sequence's [width, len] scores start
+    std::vector<float> q_buf;
+    TaskScratch scratch;
     std::vector<float> tile(16 * head_dim, 0.f);  // [16 tokens][head_dim], widened, before scaling
     const Elem* tile_rows[16];
     const float* widened[16];  // the tile's rows as fp32: in tile, or (float32) in the cache
@@ -51,12 +51,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
-      acc.assign(seqs * width * head_dim, 0.f);
-      denom.resize(seqs * width);
-      score_offset.resize(seqs + 1);
-      score_offset[0] = 0;
-      for (int64_t j = 0; j < seqs; ++j) score_offset[j + 1] = score_offset[j] + width * lens[s_begin + j];
-      scores.resize(score_offset[seqs]);  // scores[offset_j + r * len_j + t]: a row per query head
+      scratch.reset(lens + s_begin, seqs, width, head_dim);
       for (int64_t j = 0; j < seqs; ++j) {
         for (int64_t r = 0; r < width; ++r) {
           const scalar_t* src = q_ptr + (s_begin + j) * q_s0 + (h0 * group + r) * q_s1;
@@ -115,10 +110,8 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
         }
       };
       auto q_of = [&](int64_t j, int64_t h) { return q_buf.data() + (j * width + h * group) * head_dim; };
-      auto scores_of = [&](int64_t j, int64_t h) {
-        return scores.data() + score_offset[j] + h * group * lens[s_begin + j];
-      };
-      auto acc_of = [&](int64_t j, int64_t h) { return acc.data() + (j * width + h * group) * head_dim; };
+      auto scores_of = [&](int64_t j, int64_t h) { return scratch.scores_of(j, h * group); };
+      auto acc_of = [&](int64_t j, int64_t h) { return scratch.acc_of(j, h * group); };
       for_each_tile(k_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
         const int64_t len = lens[s_begin + j];
         for (int64_t g = 0; g < group; ++g) {
@@ -128,7 +121,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       });
       for (int64_t j = 0; j < seqs; ++j) {
         const int64_t len = lens[s_begin + j];
-        for (int64_t r = 0; r < width; ++r) denom[j * width + r] = softmax_numerators(scores.data() + score_offset[j] + r * len, len);
+        for (int64_t r = 0; r < width; ++r) scratch.denom[j * width + r] = softmax_numerators(scratch.scores_of(j, r), len);
       }
       for_each_tile(v_ptr, [&](int64_t j, int64_t h, int64_t n, int64_t start) {
         const int64_t len = lens[s_begin + j];
@@ -144,8 +137,8 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       for (int64_t j = 0; j < seqs; ++j) {
         for (int64_t r = 0; r < width; ++r) {
           scalar_t* dst = o_ptr + (s_begin + j) * o_s0 + (h0 * group + r) * o_s1;
-          const float* a = acc.data() + (j * width + r) * head_dim;
-          const float inv = 1.f / denom[j * width + r];
+          const float* a = scratch.acc_of(j, r);
+          const float inv = 1.f / scratch.denom[j * width + r];
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
         }
       }
