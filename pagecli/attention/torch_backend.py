@@ -127,7 +127,7 @@ class TorchAttentionBackend:
         (AttentionMetadata.token_rows): one call for the whole step, and a prompt's rows get exactly
         what decoding those tokens would, so chunking cannot change a bit. Done where that kernel is
         the AVX512-BF16 one (bf16 caches without AMX): on a Zen 4 it beats PyTorch's flash kernel at
-        200-4,000-token prompts (1.1-1.4x) and its masked path for chunks after a cached prefix by
+        200-4,000-token prompts (1.1-1.7x) and its masked path for chunks after a cached prefix by
         more. The other decode kernels (float32 on AVX2, int8/fp8 caches) lose to flash on long
         prompts, and AMX has a prefill kernel of its own."""
         return (self._native(query) and not self._native_prefill(query, k_cache)

@@ -9,6 +9,7 @@
 namespace pagecli {
 namespace {
 
+constexpr int64_t kAheadTokens = 32;  // how far ahead of its tile paged_decode_impl fetches a token's rows
 
 // One query token per sequence, the `group` query heads of a kv head together: scores for the
 // whole context (two passes: softmax in fp32, then the weighted sum of V), reading K and V
@@ -18,9 +19,6 @@ namespace {
 // request: DecodeTasks), a task takes one kv head for a run of them and widens each tile of their
 // shared prefix once for all of them, instead of once per sequence. Every query row still sees the same tiles in the same order, with
 // the same arithmetic, so the results are bit-identical either way.
-// How far ahead of its tile a token's K or V rows are fetched.
-constexpr int64_t kPrefetchTokens = 32;
-
 template <int CHUNKS, typename scalar_t>
 void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -78,7 +76,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
         };
         const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
         auto prefetch = [&](const int32_t* table, int64_t len, int64_t start, int64_t heads) {
-          const int64_t ahead = start + kPrefetchTokens;
+          const int64_t ahead = start + kAheadTokens;
           if (ahead < len) {
             prefetch_tokens(cache, table, block_size, kv_heads, row_bytes, h0, heads, ahead,
                             std::min<int64_t>(16, len - ahead));
