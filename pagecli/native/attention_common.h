@@ -182,13 +182,25 @@ inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
 inline void prefetch_tokens(const void* cache, const int32_t* table, int64_t block_size, int64_t kv_heads,
                             int64_t row_bytes, int64_t h0, int64_t heads, int64_t t0, int64_t count) {
   const char* base = static_cast<const char*>(cache);
-  for (int64_t t = t0; t < t0 + count; ++t) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(base + (slot_of(table, block_size, t) * kv_heads + h0) * row_bytes);
+  int64_t block = t0 / block_size, offset = t0 % block_size;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[block]) * block_size + offset;
+    if (++offset == block_size) offset = 0, ++block;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base + (slot * kv_heads + h0) * row_bytes);
     const uintptr_t last = first + heads * row_bytes - 1;
     for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64) {
       // As an asm statement: GCC 12 at -O3 vectorizes this loop and drops _mm_prefetch from it.
       asm volatile("prefetcht0 %0" : : "m"(*reinterpret_cast<const char*>(line)));
     }
+  }
+}
+
+// The cache slots of tokens [start, start + n) of a context (one division, not one per token).
+inline void slots_of_tokens(const int32_t* table, int64_t block_size, int64_t start, int64_t n, int64_t* slots) {
+  int64_t block = start / block_size, offset = start % block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    slots[i] = static_cast<int64_t>(table[block]) * block_size + offset;
+    if (++offset == block_size) offset = 0, ++block;
   }
 }
 

@@ -71,7 +71,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
       // once for the task's sequences (through the first one's block table).
       auto for_each_tile = [&](const scalar_t* cache, auto&& visit) {
         auto load_tile = [&](const int32_t* table, int64_t start, int64_t n, int64_t h) {
-          for (int64_t i = 0; i < n; ++i) tile_slots[i] = slot_of(table, block_size, start + i);
+          slots_of_tokens(table, block_size, start, n, tile_slots);
           for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * head_dim;
         };
         const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));

@@ -176,6 +176,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
   tasks.run_for_each([&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     TaskScratch scratch;
+    int64_t tile_slots[16];
     const bf16* tile_rows[16];
     std::vector<__m512i> packed(16 * CHUNKS);  // a shared tile, packed: pack_k_tile's or pack_v_tile's layout
     for (int64_t task = begin; task < end; ++task) {
@@ -187,11 +188,8 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
       // packed once (is_packed) for all of the task's sequences (through the first one's block table).
       auto for_each_tile = [&](const bf16* cache, auto&& visit) {
         auto load_tile = [&](const int32_t* table, int64_t start, int64_t n, int64_t h) {
-          int64_t block = start / block_size, offset = start % block_size;
-          for (int64_t i = 0; i < n; ++i) {
-            tile_rows[i] = cache + (static_cast<int64_t>(table[block]) * block_size + offset) * slot_stride + (h0 + h) * D;
-            if (++offset == block_size) offset = 0, ++block;
-          }
+          slots_of_tokens(table, block_size, start, n, tile_slots);
+          for (int64_t i = 0; i < n; ++i) tile_rows[i] = cache + tile_slots[i] * slot_stride + (h0 + h) * D;
         };
         auto prefetch = [&](const int32_t* table, int64_t len, int64_t start, int64_t heads) {
           const int64_t ahead = start + kAheadTokens;

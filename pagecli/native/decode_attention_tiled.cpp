@@ -45,7 +45,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
     std::vector<float> tile(16 * head_dim, 0.f);  // [16 tokens][head_dim], widened, before scaling
     const Elem* tile_rows[16];
     const float* widened[16];  // the tile's rows as fp32: in tile, or (float32) in the cache
-    int64_t tile_slots[16], ahead_slots[16];
+    int64_t tile_slots[16];
     float tile_scales[16], weights[16];
     for (int64_t task = begin; task < end; ++task) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
@@ -59,25 +59,9 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * fscale;
         }
       }
-      // The cache slots of tokens [start, start + n) (one division, not one per token).
-      auto slots_of = [&](const int32_t* table, int64_t start, int64_t n, int64_t* slots) {
-        int64_t block = start / block_size, offset = start % block_size;
-        for (int64_t i = 0; i < n; ++i) {
-          slots[i] = static_cast<int64_t>(table[block]) * block_size + offset;
-          if (++offset == block_size) offset = 0, ++block;
-        }
-      };
-      // The task's heads of tokens [start, start + n): a context's blocks lie scattered over the
-      // pool, where the hardware prefetcher does not follow.
+      // The task's heads of tokens [start, start + n), fetched ahead of their tile.
       auto prefetch = [&](const Elem* cache, const int32_t* table, int64_t start, int64_t n) {
-        slots_of(table, start, n, ahead_slots);
-        for (int64_t i = 0; i < n; ++i) {
-          const uintptr_t first = reinterpret_cast<uintptr_t>(cache + ahead_slots[i] * slot_elems + h0 * row_elems);
-          const uintptr_t last = first + heads_per_task * row_bytes - 1;
-          for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-          }
-        }
+        prefetch_tokens(cache, table, block_size, kv_heads, row_bytes, h0, heads_per_task, start, n);
       };
       // Widens each tile of each context once and hands it to visit(j, h, n, start): tokens
       // [start, start + n) of kv head h0 + h, for sequence j of the task. The shared tiles are read
@@ -91,7 +75,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
         for (int64_t start = 0; start < shared; start += 16) {
           const int64_t ahead = start + kPrefetchTokens;
           if (ahead < shared) prefetch(cache, first_table, ahead, std::min<int64_t>(16, shared - ahead));
-          slots_of(first_table, start, 16, tile_slots);
+          slots_of_tokens(first_table, block_size, start, 16, tile_slots);
           widen(16, 0);
           for (int64_t j = 0; j < seqs; ++j) visit(j, 0, 16, start);
         }
@@ -101,7 +85,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
           for (int64_t start = shared; start < len; start += 16) {
             const int64_t n = std::min<int64_t>(16, len - start), ahead = start + kPrefetchTokens;
             if (ahead < len) prefetch(cache, table, ahead, std::min<int64_t>(16, len - ahead));
-            slots_of(table, start, n, tile_slots);
+            slots_of_tokens(table, block_size, start, n, tile_slots);
             for (int64_t h = 0; h < heads_per_task; ++h) {
               widen(n, h);
               visit(j, h, n, start);
