@@ -28,14 +28,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import batch_messages  # noqa: E402
-from bench_serve import start_server  # noqa: E402
 from bench_structured import SCHEMA  # noqa: E402
+from serve_peers import start_pagecli  # noqa: E402
 
 from pagecli.models.source import prepare_default_model  # noqa: E402
 
@@ -84,8 +83,7 @@ def main() -> None:
     servers: dict[str, str] = {}
     process = None
     if not args.no_pagecli:
-        server_args = SimpleNamespace(model=None, dtype="auto", threads=args.threads)
-        process, servers["pagecli"] = start_server(server_args)
+        process, servers["pagecli"] = start_pagecli(None, "auto", args.threads)
     for peer in args.peer:
         name, _, url = peer.partition("=")
         if not url:

@@ -16,7 +16,7 @@ from pagecli.bench.lengths import parse_lengths
 from pagecli.bench.memory import memory_report, paged_requests_fit
 from pagecli.bench.summary import percentile
 from pagecli.bench.units import format_bytes, parse_size
-from pagecli.bench.workloads import BUILTIN_WORKLOADS, builtin_workload, conversation_prompt
+from pagecli.bench.workloads import BUILTIN_WORKLOADS, SHARED_SYSTEM_SENTENCES, builtin_workload, conversation_prompt
 from pagecli.cli import app
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError
@@ -230,6 +230,19 @@ def test_builtin_workloads_are_deterministic_and_sized_as_documented():
     assert len({p[0]["content"] for p in prompts}) == 1 and len({p[1]["content"] for p in prompts}) > 1
     text = builtin_workload("mixed", GREEDY).requests[0].prompt
     assert re.fullmatch(r"[A-Za-z ,.?\n]+", text)  # plain words, not random token ids
+
+
+def test_shared_prefix_system_sentences_lengthen_the_one_system_prompt():
+    default = builtin_workload("shared-prefix", GREEDY, seed=2)
+    assert default == builtin_workload("shared-prefix", GREEDY, seed=2, system_sentences=SHARED_SYSTEM_SENTENCES)
+    longer = builtin_workload("shared-prefix", GREEDY, seed=2, system_sentences=3 * SHARED_SYSTEM_SENTENCES)
+    systems = {r.prompt[0]["content"] for r in longer.requests}
+    assert len(systems) == 1 and len(longer.requests) == len(default.requests)
+    (system,) = systems
+    assert system.startswith(default.requests[0].prompt[0]["content"])
+    assert system.count(". ") + 1 == 3 * SHARED_SYSTEM_SENTENCES
+    with pytest.raises(PagecliError, match="at least 1 sentence"):
+        builtin_workload("shared-prefix", GREEDY, system_sentences=0)
 
 
 def test_a_conversation_turn_resends_the_history_with_earlier_replies():

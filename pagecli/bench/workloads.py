@@ -2,7 +2,8 @@
 
 - mixed: 64 independent requests whose prompts run from a sentence to a few pages (about 15 to
   700 tokens: mostly short, a long tail) with 8 to 64 output tokens each;
-- shared-prefix: one long system prompt (about 600 tokens) shared by 32 short questions;
+- shared-prefix: one long system prompt (SHARED_SYSTEM_SENTENCES sentences, about 520 SmolLM2 tokens; or
+  `system_sentences`) shared by 32 short questions;
 - chat: one 8-turn conversation; each turn resends the whole history plus a new user message,
   so turn N reuses the KV of turns 1..N-1 from the prefix cache.
 
@@ -54,6 +55,7 @@ BUILTIN_WORKLOADS: dict[str, _Shape] = {
     "chat": _Shape(8, 4, "an 8-turn conversation, each turn resending the history"),
 }
 CPU_MAX_TOKENS = 16
+SHARED_SYSTEM_SENTENCES = 40  # shared-prefix's system prompt: about 13 SmolLM2 tokens a sentence
 
 _SUBJECTS = ("the engineer", "our team", "the old library", "a small bakery", "the city council", "my neighbour",
              "the research group", "a quiet student", "the shipping company", "the museum", "every visitor",
@@ -98,13 +100,16 @@ def _mixed_sentence_count(rng: random.Random) -> int:
 
 
 def builtin_workload(name: str, base: SamplingParams, count: int | None = None, max_tokens: int | None = None,
-                     seed: int = 0) -> Workload:
-    """Workload `name` with `count` requests (turns, for chat); `max_tokens` overrides every output length."""
+                     seed: int = 0, system_sentences: int = SHARED_SYSTEM_SENTENCES) -> Workload:
+    """Workload `name` with `count` requests (turns, for chat); `max_tokens` overrides every output length;
+    `system_sentences` sizes shared-prefix's system prompt (a longer one starts with the shorter one's text)."""
     if name not in BUILTIN_WORKLOADS:
         raise PagecliError(f"Unknown workload '{name}'; choose {', '.join(BUILTIN_WORKLOADS)} or pass a JSONL file.")
     count = BUILTIN_WORKLOADS[name].default_count if count is None else count
     if count < 1:
         raise PagecliError(f"--count must be at least 1 (got {count}).")
+    if system_sentences < 1:
+        raise PagecliError(f"The system prompt needs at least 1 sentence (got {system_sentences}).")
     rng = random.Random(f"{name}:{seed}")
 
     def sampling(default_tokens: int) -> SamplingParams:
@@ -118,7 +123,7 @@ def builtin_workload(name: str, base: SamplingParams, count: int | None = None, 
         )
         return Workload(name, requests)
     if name == "shared-prefix":
-        system = "You are a helpful guide for the following town notes.\n\n" + paragraph(rng, 40)
+        system = "You are a helpful guide for the following town notes.\n\n" + paragraph(rng, system_sentences)
         requests = tuple(
             BenchRequest(f"shared-prefix-{i}", _messages(system, _fill(rng.choice(_QUESTIONS), rng)),
                          sampling(rng.randint(16, 32)))
