@@ -167,6 +167,30 @@ def test_quantized_decode_matches_the_reference_on_the_dequantized_cache(ops, fm
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_decode_with_zero_queries_zero_rows_and_far_apart_magnitudes(ops, fmt):
+    # The AVX512-VNNI int8 path rounds each query row to int16 against its largest value and each
+    # 16-token tile's softmax weights against the tile's largest: a query of zeros (scale 0), tiles
+    # of zero rows (every weight times a zero scale), and a query whose values span 1e-3..1e3 must
+    # still give the reference's answer.
+    seq_lens = [40, 33, 64]
+    query, k_cache, v_cache, tables, lens = quantized_decode_case(
+        fmt, seq_lens, block_size=16, kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16, seed=5
+    )
+    query[0] = 0
+    query[1, :, ::2] *= 1000
+    query[1, :, 1::2] /= 1000
+    zero_row = quantize_rows(torch.zeros(64), fmt)
+    k_cache[tables[2, 1]] = zero_row
+    v_cache[tables[2, 1]] = zero_row
+    v_cache[tables[0, 0]] = zero_row
+    out = torch.empty_like(query[:3])
+    ops.paged_decode_attention(out, query[:3], k_cache, v_cache, tables, lens, 0.125)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    expected = expected_attention(query[:3], k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize(("block_size", "shared_blocks"), [(16, 5), (4, 9), (1, 40)])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 2, 128)])

@@ -484,17 +484,20 @@ def test_every_level_forced_gives_the_pytorch_paths_greedy_tokens(tiny_llama, mo
     assert native.cpu_ops() is not None and native.level() == level
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 def test_bf16_greedy_output_on_the_native_attention_does_not_depend_on_chunks_prefix_hits_or_batching(
-        tiny_model_factory):
+        tiny_model_factory, kv_dtype):
     # test_engine_invariance.py's checks, in bf16 with head size 32, where prompts and decodes both
-    # run on pagecli's attention kernels: AMX tiles, or (without AMX) the AVX512-BF16 decode kernel
-    # with a row per prompt token; the linear layers on AMX, the packed GEMM or oneDNN by row count.
+    # run on pagecli's attention kernels: AMX tiles, or (without AMX, and over int8/fp8 caches on any
+    # CPU with AVX512-BF16) the AVX512-BF16 decode kernel with a row per prompt token; the linear
+    # layers on AMX, the packed GEMM or oneDNN by row count.
     from test_engine_invariance import GREEDY, PROMPTS
 
     folder = tiny_model_factory("qwen3")
 
     def run(prompts=PROMPTS, **config):
-        settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 16, "num_blocks": 256, **config}
+        settings = {"dtype": "bfloat16", "disk_cache": False, "block_size": 16, "num_blocks": 256,
+                    "kv_dtype": kv_dtype, **config}
         with Engine(str(folder), EngineConfig(**settings)) as engine:
             query, cache = torch.empty(1, 1, 32).bfloat16(), engine.runner.kv_caches[0, 0]
             ops = engine.backend.cpu_ops

@@ -38,7 +38,7 @@ _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in (
     "bindings.cpp",           # the module: every entry point below, bound once
     "decode_attention.cpp",   # paged decode attention (AVX-512, AMX)
-    "decode_attention_bf16.cpp",  # paged decode attention over bf16 caches on AVX512-BF16 dot products
+    "decode_attention_bf16.cpp",  # paged decode attention on AVX512-BF16 (bf16, fp8 caches) and VNNI (int8) dot products
     "decode_attention_tiled.cpp",  # paged decode attention in 16-token tiles: int8/fp8 caches, float ones at avx2
     "kv_quant.cpp",           # storing K/V rows into int8/fp8 caches
     "prefill_attention.cpp",  # paged prefill attention (AMX)
@@ -51,7 +51,7 @@ _SOURCES = tuple(_HERE / name for name in (
 ))
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
-    "decode_step.h", "kv_quant.h",
+    "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

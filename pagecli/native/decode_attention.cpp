@@ -414,7 +414,14 @@ void check_paged_inputs(const torch::Tensor& out, const torch::Tensor& query, co
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   check_paged_inputs(out, query, k_cache, v_cache, block_tables, seq_lens, query.size(0));
-  if (is_quantized_kv(k_cache.scalar_type())) return paged_decode_quantized(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  if (is_quantized_kv(k_cache.scalar_type())) {
+#if PAGECLI_HAVE_BF16_DOT
+    if (paged_decode_bf16_supported(query, k_cache)) {
+      return paged_decode_bf16(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    }
+#endif
+    return paged_decode_quantized(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  }
 #if !defined(__AVX512F__)
   // Without AVX-512, float caches take the quantized kernel's AVX2 tiles (head sizes of 16s).
   if (query.size(2) % 16 == 0) return paged_decode_float_tiled(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
