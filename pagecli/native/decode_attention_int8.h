@@ -97,10 +97,7 @@ struct Int8Cache {
 
   template <int CHUNKS>
   static void pack_k(const Row* const* rows, __m512i* kt) {
-    alignas(64) int16_t wide[16 * 32 * CHUNKS];
-    const int16_t* wide_rows[16];
-    widen_tile<CHUNKS>(rows, wide, wide_rows);
-    pack_k_tile<CHUNKS>(wide_rows, kt);
+    widened_tile<CHUNKS>(rows, [&](const int16_t* const* wide_rows) { pack_k_tile<CHUNKS>(wide_rows, kt); });
   }
 
   template <int CHUNKS>
@@ -138,10 +135,7 @@ struct Int8Cache {
 
   template <int CHUNKS>
   static void pack_v(const Row* const* rows, __m512i* vp) {
-    alignas(64) int16_t wide[16 * 32 * CHUNKS];
-    const int16_t* wide_rows[16];
-    widen_tile<CHUNKS>(rows, wide, wide_rows);
-    pack_v_tile<CHUNKS>(wide_rows, vp);
+    widened_tile<CHUNKS>(rows, [&](const int16_t* const* wide_rows) { pack_v_tile<CHUNKS>(wide_rows, vp); });
   }
 
   template <int CHUNKS>
@@ -164,12 +158,16 @@ struct Int8Cache {
     _mm512_mask_storeu_ps(out, first_lanes(n), scores);
   }
 
-  template <int CHUNKS>
-  static void widen_tile(const Row* const* rows, int16_t* wide, const int16_t** wide_rows) {
+  // pack(wide_rows) over the tile's 16 rows sign-extended to int16 (a shared tile, packed once).
+  template <int CHUNKS, typename Pack>
+  static void widened_tile(const Row* const* rows, Pack&& pack) {
+    alignas(64) int16_t wide[16 * 32 * CHUNKS];
+    const int16_t* wide_rows[16];
     for (int i = 0; i < 16; ++i) {
       for (int c = 0; c < CHUNKS; ++c) _mm512_store_si512(wide + (i * CHUNKS + c) * 32, chunk(rows[i], c));
       wide_rows[i] = wide + i * 32 * CHUNKS;
     }
+    pack(wide_rows);
   }
 
   // The tile's weights w[0, n) (>= 0) as int16 against their largest, packed two a word (token 2p
