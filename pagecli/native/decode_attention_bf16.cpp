@@ -312,8 +312,8 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
 bool paged_decode_bf16_supported(const torch::Tensor& query, const torch::Tensor& k_cache) {
   const int64_t dim = query.size(2);
   const auto cache = k_cache.scalar_type();
-  const bool readable = cache == torch::kBFloat16 || (is_quantized_kv(cache) && kv_quant_of(cache) == KvQuant::kFp8) ||
-                        (is_quantized_kv(cache) && PAGECLI_HAVE_INT16_DOT);
+  const bool readable = cache == torch::kBFloat16 ||  // int8 needs VNNI's int16 products (Int8Cache)
+                        (is_quantized_kv(cache) && (kv_quant_of(cache) == KvQuant::kFp8 || PAGECLI_HAVE_INT16_DOT));
   return query.scalar_type() == torch::kBFloat16 && readable && dim % 32 == 0 && dim <= 256;
 }
 
