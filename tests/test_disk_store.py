@@ -15,12 +15,14 @@ import torch
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-from pagecli.engine.hashing import chain_hashes
+from pagecli.engine.hashing import chain_hashes, root_hash
 from engine_probes import recorded_logits
 from pagecli.models.loader import load_model
 from pagecli.store import maintenance
 from pagecli.store.files import INDEX_NAME
+from pagecli.store.blobs import BlockGeometry
 from pagecli.store.index import StoreIndex, StoreLocked
+from pagecli.store.prefix_store import BlockRecord, PrefixStore
 from pagecli.store.pruning import plan_prune
 
 BLOCK_SIZE = 4
@@ -280,6 +282,34 @@ def test_two_processes_writing_the_same_prompts_at_once_leave_a_consistent_index
     _assert_chains_start_at_their_heads(store)
 
 
+def test_a_parent_pruned_between_the_presence_check_and_the_insert_keeps_its_children_out(store, monkeypatch):
+    """Another process prunes the stored tail of a chain while this one writes its continuation:
+    the continuation is not indexed (it would start a chain mid-prompt) and its blobs go."""
+    geometry = BlockGeometry(num_layers=2, block_size=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+    prefix_store = PrefixStore(store, "layout=1|test", "writer", geometry, None, pytest.fail)
+    root = root_hash("layout=1|test")
+    tokens = list(range(16))
+    hashes = chain_hashes(root, tokens, 4, 4)
+    records = [BlockRecord(h, hashes[i - 1] if i else root, i, tuple(tokens[4 * i: 4 * i + 4]))
+               for i, h in enumerate(hashes)]
+    kv = torch.stack([torch.full(geometry.block_shape, float(i)) for i in range(4)], dim=2)
+    assert prefix_store.write_run(records[:2], kv[:, :, :2]) == 2
+    insert = StoreIndex.insert
+
+    def pruned_first(index, blocks):
+        with sqlite3.connect(store / INDEX_NAME) as other:  # the other process: drops the tail, block 1
+            path = other.execute("SELECT blob_path FROM blocks WHERE depth = 1").fetchone()[0]
+            other.execute("DELETE FROM blocks WHERE depth = 1")
+        (store / path).unlink()
+        return insert(index, blocks)
+
+    monkeypatch.setattr(StoreIndex, "insert", pruned_first)
+    assert prefix_store.write_run(records, kv) == 0
+    prefix_store.close()
+    assert _stored_depths_of(store, hashes) == [0]
+    assert maintenance.check(store) == []
+
+
 # --- write policy and settings ------------------------------------------------------------------------
 def test_generate_stores_prompt_blocks_shared_by_two_requests_and_nothing_unshared(tiny_llama, store):
     engine = make_engine(tiny_llama, store)
@@ -378,7 +408,10 @@ def test_cache_prune_command_shrinks_to_the_size_given(tiny_llama, store, capsys
 def _stored_depths(store: Path, engine: Engine, prompt: str) -> list[int]:
     """Positions of the prompt's blocks that the store holds."""
     ids = engine.encode(prompt)
-    chain = chain_hashes(engine.kv.root_hash, ids, BLOCK_SIZE, len(ids) // BLOCK_SIZE)
+    return _stored_depths_of(store, chain_hashes(engine.kv.root_hash, ids, BLOCK_SIZE, len(ids) // BLOCK_SIZE))
+
+
+def _stored_depths_of(store: Path, chain: list[bytes]) -> list[int]:
     with sqlite3.connect(store / INDEX_NAME) as conn:
         stored = {r[0] for r in conn.execute("SELECT block_hash FROM blocks")}
     return [depth for depth, h in enumerate(chain) if h in stored]

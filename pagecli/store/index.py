@@ -273,11 +273,16 @@ class StoreIndex:
 
     def insert(self, blocks: Sequence[IndexedBlock]) -> dict[bytes, str]:
         """Insert rows whose blobs are on disk (first writer wins); returns, per hash, the blob path
-        the index now names. A row whose file a concurrent prune removed meanwhile is not kept."""
+        the index now names. A row whose file a concurrent prune removed meanwhile is not kept, nor
+        one whose parent block is not stored (a concurrent prune took it after the writer saw it):
+        a stored chain always starts at a prompt's first block. Parents come before children."""
         named: dict[bytes, str] = {}
         with self.write():
             for b in blocks:
                 if not (self.root / b.blob_path).is_file():
+                    continue
+                if b.depth > 0 and self.conn.execute("SELECT 1 FROM blocks WHERE block_hash = ?",
+                                                     (b.parent_hash,)).fetchone() is None:
                     continue
                 self.conn.execute(
                     f"INSERT OR IGNORE INTO blocks ({_BLOCK_COLUMNS}) VALUES ({_marks(13)})",

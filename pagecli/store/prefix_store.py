@@ -245,10 +245,13 @@ class PrefixStore:
         except BaseException:
             self._remove_unnamed(index, rows)
             raise
+        kept = []
         for row in rows:
-            if named.get(row.block_hash, row.blob_path) != row.blob_path:  # another process stored it first
+            if named.get(row.block_hash) == row.blob_path:
+                kept.append(row)
+            else:  # another process stored it first, or its parent was pruned meanwhile
                 remove_blob(self.root, row.blob_path)
-        return rows
+        return kept
 
     def _remove_unnamed(self, index: StoreIndex, rows: Sequence[IndexedBlock]) -> None:
         try:
