@@ -18,7 +18,7 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import Int8Reference, check_quantize_device
+from pagecli.models.quantize import Int8Reference, check_quantize_device, native_takes
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
             return
         int4 = quantize == "int4"
         kind = "" if ops is None else ops.int4_linear_kind() if int4 else ops.int8_linear_kind()
-        native_ok = kind == "avx2" or (kind == "avx512_bf16" and self.model.norm.weight.dtype == torch.bfloat16)
+        native_ok = native_takes(kind, self.model.norm.weight.dtype)
         for layer in self.model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
@@ -137,8 +137,8 @@ class CausalLM(nn.Module):
         if source is None:
             raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
                                "loaded from a .gguf file (use int8 or int4).")
-        bf16 = self.model.norm.weight.dtype == torch.bfloat16
-        native_for = lambda kind: ops if kind == "avx2" or (kind == "avx512_bf16" and bf16) else None  # noqa: E731
+        dtype = self.model.norm.weight.dtype
+        native_for = lambda kind: ops if native_takes(kind, dtype) else None  # noqa: E731
         products = gguf_blocks.layer_products(source, self.spec.num_heads, self.spec.num_kv_heads)
         gguf_blocks.use_gguf_products(self.model.layers, products,
                                       native_for(ops.int4_linear_kind() if ops is not None else ""),
