@@ -6,10 +6,12 @@ a product sums x[m, k] * q[n, k] in fp32, then multiplies by scale[n] and adds t
 decoder layers' Linears are quantized: the embedding table (and the output layer, which may share it)
 keeps the model's dtype, since the lookup needs its exact rows.
 
-Measured (SmolLM2-135M, Zen 4, 2 threads, scripts/bench_packed_ab.py, 2026-11-25): on AVX512-BF16 int8
-decodes one stream at 207-254 tok/s against 119-182 for packed bf16, and batches a little slower
-(1110-1165 against 1246-1318 tok/s); on the AVX2 level its kernel is slower than bf16 (48 against 72
-tok/s decode, 143 against 602 batched): there it only saves memory.
+On AVX512-VNNI the native kernel also rounds the activations to int8 per row and block of 64
+(int8_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows it runs at
+759-780 GFLOP/s against 433-442 for the packed bf16 GEMM and 376-396 for the earlier int8 kernel,
+which widened the weights to bf16 (Zen 4, 2 threads, scripts/bench_quant_products.py, 2026-11-26).
+On the AVX2 level the int8 kernel is slower than bf16 (48 against 72 tok/s decode, 143 against 602
+batched, SmolLM2-135M on Zen 4, 2026-11-25): there it only saves memory.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class Int8Reference:
     """The int8 product in PyTorch: the native kernels' arithmetic (fp32 sums, then scale and bias),
-    used where no kernel runs it (PAGECLI_CPU_ISA=torch, float32 models on AVX512-BF16)."""
+    used where no kernel runs it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the
+    model's dtype)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.q, self.scale = q, scale

@@ -1,0 +1,65 @@
+"""The int8 and packed bf16 products at SmolLM2-1.7B's Linear shapes: milliseconds and GFLOP/s.
+
+    .venv/bin/python scripts/bench_quant_products.py [--threads 2] [--rows 1,16,512] [--repeats 5]
+
+Each shape's weights are random (speed does not depend on the values), built once, and run for each
+row count on the kernels of the level this process runs (PAGECLI_CPU_ISA picks it). With one
+layer's weights at a time the smaller shapes stay in cache at 1-16 rows, so those rows show the
+kernel's compute rate, not the memory's (decode speed is bench_shapes.py's tg128). Best of
+--repeats calls after one warm-up. Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagecli import native
+from pagecli.models.quantize import quantize_int8
+
+SHAPES = [(6144, 2048, "q, k, v"), (16384, 2048, "gate, up"), (2048, 8192, "down"), (2048, 2048, "o")]
+
+
+def best_s(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,16,512")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = native.cpu_ops()
+    kind = ops.int8_linear_kind()
+    bf16 = ops.has_packed_linear()
+    print(f"level {native.level()}, int8 kernel {kind or 'none'}, packed bf16 GEMM {'yes' if bf16 else 'no'}, "
+          f"{args.threads} threads")
+    gen = torch.Generator().manual_seed(0)
+    for n, k, what in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        q, scale = quantize_int8(w)
+        int8 = ops.PackedLinearInt8(q, scale, None) if kind else None
+        packed = ops.PackedLinear(w.bfloat16(), None) if bf16 else None
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            flops = 2 * m * n * k
+            cells = []
+            for name, layer in (("int8", int8), ("bf16", packed)):
+                if layer is not None:
+                    s = best_s(lambda layer=layer: layer.forward(x), args.repeats)
+                    cells.append(f"{name} {s * 1e3:8.2f} ms {flops / s / 1e9:6.0f} GFLOP/s")
+            print(f"{what:9} [{n:5}, {k:4}] {m:4} rows: " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
