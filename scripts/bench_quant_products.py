@@ -1,4 +1,4 @@
-"""The int8 and packed bf16 products at SmolLM2-1.7B's Linear shapes: milliseconds and GFLOP/s.
+"""The int8, int4 and packed bf16 products at SmolLM2-1.7B's Linear shapes: milliseconds and GFLOP/s.
 
     .venv/bin/python scripts/bench_quant_products.py [--threads 2] [--rows 1,16,512] [--repeats 5]
 
@@ -18,6 +18,7 @@ import torch
 
 from pagecli import native
 from pagecli.models.quantize import quantize_int8
+from pagecli.models.quantize_int4 import quantize_int4
 
 SHAPES = [(6144, 2048, "q, k, v"), (16384, 2048, "gate, up"), (2048, 8192, "down"), (2048, 2048, "o")]
 
@@ -40,24 +41,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = native.cpu_ops()
-    kind = ops.int8_linear_kind()
+    kind, kind4 = ops.int8_linear_kind(), ops.int4_linear_kind()
     bf16 = ops.has_packed_linear()
-    print(f"level {native.level()}, int8 kernel {kind or 'none'}, packed bf16 GEMM {'yes' if bf16 else 'no'}, "
-          f"{args.threads} threads")
+    print(f"level {native.level()}, int8 kernel {kind or 'none'}, int4 kernel {kind4 or 'none'}, "
+          f"packed bf16 GEMM {'yes' if bf16 else 'no'}, {args.threads} threads")
     gen = torch.Generator().manual_seed(0)
     for n, k, what in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.02
         q, scale = quantize_int8(w)
         int8 = ops.PackedLinearInt8(q, scale, None) if kind else None
+        int4 = ops.PackedLinearInt4(*quantize_int4(w), None) if kind4 else None
         packed = ops.PackedLinear(w.bfloat16(), None) if bf16 else None
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=gen).bfloat16()
             flops = 2 * m * n * k
             cells = []
-            for name, layer in (("int8", int8), ("bf16", packed)):
+            for name, layer in (("int8", int8), ("int4", int4), ("bf16", packed)):
                 if layer is not None:
                     s = best_s(lambda layer=layer: layer.forward(x), args.repeats)
-                    cells.append(f"{name} {s * 1e3:8.2f} ms {flops / s / 1e9:6.0f} GFLOP/s")
+                    cells.append(f"{name} {s * 1e3:7.2f} ms {flops / s / 1e9:4.0f} GFLOP/s")
             print(f"{what:9} [{n:5}, {k:4}] {m:4} rows: " + "   ".join(cells))
 
 

@@ -21,6 +21,7 @@ from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, ten
 from pagecli.models.layers import Linear
 from pagecli.models.source import default_model_gguf
 from pagecli.native import isa
+from test_quant_int8 import assert_within_activation_rounding
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
 
@@ -78,6 +79,9 @@ def test_q4_blocks_run_on_the_int4_kernel_as_float32_math_on_their_floats(level,
     parts = tensor_parts(fake_tensor(kind, 100, 96, seed=3))
     layer = ops.PackedLinearInt4(parts.q, parts.scale, parts.minimum, None)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    if ops.int4_linear_kind() == "avx512_vnni":  # activations rounded to int8: within what that can move
+        assert_within_activation_rounding(layer.forward(x), x, dequantize_parts(parts), None, kind)
+        return
     expected = x.float() @ dequantize_parts(parts).T
     torch.testing.assert_close(layer.forward(x).float(), expected, atol=1e-2 * math.sqrt(96), rtol=1e-2)
 
@@ -94,12 +98,14 @@ def test_quantize_gguf_needs_a_gguf_model(tiny_model_factory):
 
 @pytest.mark.slow
 def test_the_embedded_model_runs_on_its_own_q4_1_weights(smollm2_dir):
-    """Greedy output, 24 tokens, on test_smollm2_end_to_end's 9 requests. From the Q4_1 blocks with
-    float32 activations (the PyTorch int4 reference) the tokens equal the float32 path's (the converted
-    folder: the same numbers, dequantized) on all 9 (measured 2026-11-25, Zen 4). On the AVX512-BF16
-    kernel the activations are bf16, and bf16 parts from float32 early: measured 5 of 9 identical,
-    first differing tokens [0, 0, 24, 24, 24, 4, 6, 24, 24], where the bf16 float path itself gives 4 of 9
-    ([0, 0, 0, 24, 24, 17, 6, 24, 24])."""
+    """Greedy output, 24 tokens, on test_smollm2_end_to_end's 9 requests, against the float32 path (the
+    converted folder: the same numbers, dequantized). With float activations kept (the PyTorch int4
+    reference, or the AVX2 kernel) the tokens equal the float32 path's on all 9 (measured 2026-11-25,
+    Zen 4, reference). The AVX512-VNNI kernel rounds activations to int8 per 64-block: measured
+    2026-11-26 (Zen 4) 6 of 9 identical in float32 (first differing tokens [24, 24, 0, 24, 24, 17, 6,
+    24, 24]) and 2 of 9 in bf16 ([0, 2, 0, 24, 5, 4, 0, 1, 24]), where the bf16 float path itself gives
+    4 of 9 ([0, 0, 0, 24, 24, 17, 6, 24, 24]). The bounds keep a broken kernel (which parts at once
+    everywhere) from passing, with room for other CPUs' float kernels."""
     from test_smollm2_end_to_end import REQUESTS
 
     def outputs(quantize, dtype):
@@ -119,7 +125,11 @@ def test_the_embedded_model_runs_on_its_own_q4_1_weights(smollm2_dir):
         got = outputs("gguf", dtype)
         agreeing[dtype] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24) for x, y in zip(float_path, got)]
     print("Q4_1 blocks vs the float32 path, first differing token per request:", agreeing)
-    # 9 measured here (Zen 4: the PyTorch reference); 8 leaves room for an AVX2 CPU, whose int4 kernel
-    # takes float32 activations and sums in another order.
-    assert sum(n == 24 for n in agreeing["float32"]) >= 8, agreeing
-    assert sum(n == 24 for n in agreeing["bfloat16"]) >= 4, agreeing
+    ops = native.cpu_ops() if native.enabled() else None
+    if ops is not None and ops.int4_linear_kind() == "avx512_vnni":
+        assert sum(n == 24 for n in agreeing["float32"]) >= 4, agreeing
+        assert sum(n == 24 for n in agreeing["bfloat16"]) >= 1 and sum(agreeing["bfloat16"]) >= 30, agreeing
+    else:
+        # 9 measured on the reference; 8 leaves room for an AVX2 CPU, whose int4 kernel sums in another order
+        assert sum(n == 24 for n in agreeing["float32"]) >= 8, agreeing
+        assert sum(n == 24 for n in agreeing["bfloat16"]) >= 4, agreeing

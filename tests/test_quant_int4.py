@@ -1,11 +1,13 @@
 """4-bit weights (--quantize int4): groups of 32 along K with an fp16 scale and minimum each, run by
-pagecli.native's int4 kernels (AVX512-BF16: nibbles turned into bf16 in registers; AVX2: FMA) or
-the PyTorch reference, at every level this machine builds.
+pagecli.native's int4 kernels (AVX512-VNNI: activations rounded to int8 per 64-block, nibbles
+multiplied with vpdpbusd; AVX2: FMA) or the PyTorch reference, at every level this machine builds.
 
-Tolerances: the kernels' products of bf16 activations and 4-bit weights are exact in fp32; only the
-sum order (per group, then scaled) and the final rounding to bf16 differ from float32 math on the
+Tolerances: the AVX2 kernel's products of float activations and 4-bit weights are exact in fp32; only
+the sum order (per group, then scaled) and the final rounding differ from float32 math on the
 dequantized weights, so a bf16 output is within 1e-2 (relative) + 1e-2 * sqrt(K) (absolute) of it, as
-the int8 tests allow; float32 outputs (AVX2) within 1e-4 * sqrt(K).
+the int8 tests allow; float32 outputs within 1e-4 * sqrt(K). The VNNI kernel is held to its own
+arithmetic in PyTorch (int4_blocks_reference) to fp32 rounding, and to float32 math within what
+rounding its activations can move each output (test_quant_int8.activation_rounding_bound).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.models.layers import Linear
 from pagecli.models.quantize_int4 import (
-    GROUP, Int4Reference, dequantize_int4, pack_nibbles, quantize_int4, unpack_nibbles,
+    GROUP, Int4Reference, dequantize_int4, int4_blocks_reference, pack_nibbles, quantize_int4, unpack_nibbles,
 )
 from pagecli.native import isa
+from test_quant_int8 import assert_within_activation_rounding
 from test_quant_invariance import PROMPTS, quantized_engine
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
@@ -72,12 +75,13 @@ def test_nibble_packing_round_trips_odd_widths():
 
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_int4_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
+def test_the_avx2_int4_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
+    if ops.int4_linear_kind() != "avx2":
+        pytest.skip("this build's int4 kernel rounds its activations (the VNNI test below)")
     (q, scale, minimum, b), _ = int4_weights(in_features, out_features, bias)
     layer = ops.PackedLinearInt4(q, scale, minimum, b)
     weights = dequantize_int4(q, scale, minimum)  # [N, K] float32
-    dtypes = [torch.bfloat16] + ([torch.float32] if ops.int4_linear_kind() == "avx2" else [])
-    for dtype in dtypes:
+    for dtype in (torch.bfloat16, torch.float32):
         atol = (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(in_features)
         rtol = 1e-2 if dtype == torch.bfloat16 else 1e-4
         for rows in ROWS:
@@ -89,6 +93,29 @@ def test_the_int4_kernel_matches_float32_math_on_the_dequantized_weights(ops, in
                                        msg=lambda m, rows=rows: f"{rows} rows: {m}")
             reference = Int4Reference(q, scale, minimum, b).forward(x)
             torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_vnni_int4_kernel_is_its_reference_and_within_the_rounding_of_float_math(ops, in_features, out_features,
+                                                                                     bias):
+    if ops.int4_linear_kind() != "avx512_vnni":
+        pytest.skip("this build's int4 kernel keeps its activations float (the AVX2 test above)")
+    (q, scale, minimum, b), _ = int4_weights(in_features, out_features, bias)
+    layer = ops.PackedLinearInt4(q, scale, minimum, b)
+    weights = dequantize_int4(q, scale, minimum)  # [N, K] float32
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in ROWS:
+            x = activations(rows, in_features, dtype)
+            x[0, : min(5, in_features)] = 0  # a block partly (or, at K = 1, wholly) zero
+            got = layer.forward(x)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            reference = int4_blocks_reference(x, q, scale, minimum, b)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(in_features))
+            else:
+                torch.testing.assert_close(got, reference.to(dtype), rtol=2 ** -7, atol=1e-3)
+            assert_within_activation_rounding(got, x, weights, b, f"{dtype}, {rows} rows")
 
 
 def test_the_torch_reference_is_float32_math_on_the_dequantized_weights():
@@ -177,6 +204,9 @@ def test_a_layer_on_the_torch_reference_matches_the_kernel_layer(ops):
     lin.bias = torch.nn.Parameter(b, requires_grad=False)
     lin.use_int4(q, scale, minimum, ops)
     x = activations(3, 96, torch.bfloat16)
-    expected = Int4Reference(q, scale, minimum, b).forward(x)
-    torch.testing.assert_close(lin(x).float(), expected.float(), atol=1e-2 * math.sqrt(96), rtol=1e-2)
+    if ops.int4_linear_kind() == "avx512_vnni":
+        assert_within_activation_rounding(lin(x), x, dequantize_int4(q, scale, minimum), b, "the layer")
+    else:
+        expected = Int4Reference(q, scale, minimum, b).forward(x)
+        torch.testing.assert_close(lin(x).float(), expected.float(), atol=1e-2 * math.sqrt(96), rtol=1e-2)
     assert lin.weight is None

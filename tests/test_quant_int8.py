@@ -81,15 +81,25 @@ def test_the_avx2_int8_kernel_matches_float32_math_on_the_dequantized_weights(op
             torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=1e-2)
 
 
-def activation_rounding_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def activation_rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The most that rounding x to int8 in blocks of 64 (each value moves at most half a step,
-    max |x of its block| / 254) can move each output: [M, N]."""
+    max |x of its block| / 254) can move each output of x @ weights.T: [M, N]. weights [N, K] float."""
     K = x.shape[-1]
     blocks = -(-K // ACTIVATION_BLOCK)
     pad = blocks * ACTIVATION_BLOCK - K
     half_step = torch.nn.functional.pad(x.float(), (0, pad)).view(len(x), blocks, -1).abs().amax(-1) / 254  # [M, B]
-    weight_mass = torch.nn.functional.pad(q.float().abs(), (0, pad)).view(len(q), blocks, -1).sum(-1)  # [N, B]
-    return (half_step @ weight_mass.T) * scale
+    weight_mass = torch.nn.functional.pad(weights.float().abs(), (0, pad)).view(len(weights), blocks, -1).sum(-1)
+    return half_step @ weight_mass.T  # [M, N]
+
+
+def assert_within_activation_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                                      bias: torch.Tensor | None, what: str) -> None:
+    """got (a VNNI product of x) against float32 math on the dequantized weights: within what rounding
+    the activations allows, plus the output dtype's own rounding."""
+    expected = x.float() @ weights.T + (bias.float() if bias is not None else 0)
+    own_rounding = 2 ** -7 * expected.abs() + 1e-3 if got.dtype != torch.float32 else 1e-4
+    excess = (got.float() - expected).abs() - activation_rounding_bound(x, weights) - own_rounding
+    assert excess.max() <= 0, f"{what}: {excess.max()} past the bound"
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3), (130, 97)])
@@ -115,10 +125,7 @@ def test_the_vnni_int8_kernel_is_its_reference_and_within_the_rounding_of_float_
                 torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(in_features))
             else:
                 torch.testing.assert_close(got, reference.to(dtype), rtol=2 ** -7, atol=1e-3)
-            expected = x.float() @ weights.T + (b.float() if bias else 0)
-            own_rounding = 2 ** -7 * expected.abs() + 1e-3 if dtype != torch.float32 else 1e-4
-            excess = (got.float() - expected).abs() - activation_rounding_bound(x, q, scale) - own_rounding
-            assert excess.max() <= 0, f"{dtype}, {rows} rows: {excess.max()} past the bound"
+            assert_within_activation_rounding(got, x, weights, b, f"{dtype}, {rows} rows")
 
 
 def test_the_vnni_int8_kernel_takes_extreme_activations():

@@ -109,9 +109,9 @@ class CausalLM(nn.Module):
     def quantize_weights(self, quantize: str, ops: Any = None) -> None:
         """--quantize int8 / int4 / gguf: the decoder layers' Linears as int8 with a scale per output
         channel (pagecli.models.quantize), as 4-bit groups (quantize_int4) or on a GGUF file's own
-        blocks (gguf_blocks), run by pagecli.native's kernel where it takes this model's dtype (any on
-        AVX2 and, for int8, on AVX512-VNNI; bf16 for int4 on AVX512-BF16), else by the PyTorch reference. The embedding table and the
-        output layer keep the model's dtype (the lookup needs exact rows; a tied table is one)."""
+        blocks (gguf_blocks), run by pagecli.native's kernel (AVX2 or AVX512-VNNI, any float dtype), else
+        by the PyTorch reference. The embedding table and the output layer keep the model's dtype
+        (the lookup needs exact rows; a tied table is one)."""
         if quantize == "none":
             return
         check_quantize_device(quantize, self.model.norm.weight.device)

@@ -56,12 +56,11 @@ ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in bl
 TINY_BLOCK = float(torch.tensor(1e-30, dtype=torch.float32))  # a block whose largest |x| is below it counts as zero
 
 
-def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """The AVX512-VNNI int8 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
-    differ only by rounding): x rounded to int8 per row and block of 64 along k, d = max |x| / 127
-    and xq = round(x * (127 / max |x|)) (a block whose max |x| is below 1e-30: zeros), each block's integer products times d, summed, times the
-    channel's scale, plus the bias. x [..., K] -> [..., N] float32."""
+def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the AVX512-VNNI products do to their activations (act_quant.h): x [..., K] -> (xq [M, B, 64]
+    float64 holding integers in [-127, 127], zero past K; d [M, B, 1] float64), M rows, B blocks of 64:
+    d = max |x| / 127 and xq = round(x * (127 / max |x|)) per block, a block whose max |x| is below
+    1e-30 zeros."""
     K = x.shape[-1]
     blocks = -(-K // ACTIVATION_BLOCK)
     xf = torch.nn.functional.pad(x.float().reshape(-1, K), (0, blocks * ACTIVATION_BLOCK - K))
@@ -71,9 +70,19 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     # 127 / amax correctly rounded, as the kernel divides (`127 / tensor` would multiply by a reciprocal)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv).clamp_(-127, 127).double()  # [M, B, 64]
-    wq = torch.nn.functional.pad(q.double(), (0, blocks * ACTIVATION_BLOCK - K)).view(q.shape[0], blocks, -1)
+    return xq, (amax / 127).double()
+
+
+def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The AVX512-VNNI int8 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
+    differ only by rounding): x rounded as round_activations does, each block's integer products
+    times d, summed, times the channel's scale, plus the bias. x [..., K] -> [..., N] float32."""
+    xq, d = round_activations(x)
+    blocks = xq.shape[1]
+    wq = torch.nn.functional.pad(q.double(), (0, blocks * ACTIVATION_BLOCK - q.shape[1])).view(q.shape[0], blocks, -1)
     sums = torch.einsum("mbk,nbk->mbn", xq, wq)  # exact integers
-    y = (sums * (amax / 127).double()).sum(dim=1) * scale.double()  # [M, N]
+    y = (sums * d).sum(dim=1) * scale.double()  # [M, N]
     if bias is not None:
         y = y + bias.double()
     return y.float().view(*x.shape[:-1], q.shape[0])
@@ -81,8 +90,8 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def native_takes(kind: str, dtype: torch.dtype) -> bool:
     """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind())
-    takes activations of this dtype: the AVX2 and AVX512-VNNI ones any float, the AVX512-BF16 one bf16."""
-    return kind in ("avx2", "avx512_vnni") or (kind == "avx512_bf16" and dtype == torch.bfloat16)
+    takes activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16."""
+    return kind in ("avx2", "avx512_vnni") and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_quantize_device(quantize: str, device: torch.device) -> None:

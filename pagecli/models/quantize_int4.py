@@ -68,3 +68,24 @@ class Int4Reference:
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+
+def int4_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The AVX512-VNNI int4 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
+    differ only by rounding): x rounded to int8 as quantize.round_activations does; per group of 32,
+    y += d * (scale * sum(xq * q) + min * sum(xq)) with d the row's scale for the group's 64-block;
+    plus the bias. x [..., K], q [N, K] in [0, 15], scale and min [N, ceil(K / 32)] -> [..., N] float32."""
+    from pagecli.models.quantize import round_activations
+
+    xq, d = round_activations(x)  # [M, B, 64], [M, B, 1]
+    groups = scale.shape[1]
+    xg = xq.reshape(xq.shape[0], -1, 32)[:, :groups]  # [M, G, 32]
+    dg = d.repeat_interleave(2, dim=1)[:, :groups]  # [M, G, 1]
+    wq = torch.nn.functional.pad(q.double(), (0, groups * 32 - q.shape[1])).view(q.shape[0], groups, 32)
+    isum = torch.einsum("mgk,ngk->mgn", xg, wq)  # [M, G, N] exact integers
+    xs = xg.sum(-1, keepdim=True)  # [M, G, 1]
+    y = (dg * (isum * scale.double().T + xs * minimum.double().T)).sum(dim=1)  # [M, N]
+    if bias is not None:
+        y = y + bias.double()
+    return y.float().view(*x.shape[:-1], q.shape[0])

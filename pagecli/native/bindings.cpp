@@ -61,7 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("scales", &pagecli::PackedLinearInt4::scales)
       .def_property_readonly("out_features", &pagecli::PackedLinearInt4::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt4::in_features);
-  m.def("int4_linear_kind", &pagecli::int4_linear_kind, "Which int4 kernel this build runs: avx512_bf16, avx2 or ''");
+  m.def("int4_linear_kind", &pagecli::int4_linear_kind, "Which int4 kernel this build runs: avx512_vnni, avx2 or ''");
   m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_vnni, avx2 or ''");
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");

@@ -1,23 +1,26 @@
-// bf16 activations times 4-bit weights in groups of 32 (a scale and a minimum per group): the
-// products of --quantize int4 and of GGUF Q4_0/Q4_1 files run as they are (quant_int4.h). Decode on a
-// CPU is bound by the bytes of weights read per token: 20 bytes per 32 weights, against 64 in bf16.
+// Activations times 4-bit weights in groups of 32 (a scale and a minimum per group): the products of
+// --quantize int4 and of GGUF Q4_0/Q4_1 files run as they are (quant_int4.h). Decode on a CPU is
+// bound by the bytes of weights read per token: 20 bytes per 32 weights, against 64 in bf16.
 //
-// AVX512-BF16 kernel. Packed layout: per panel of 48 output columns, per group of 32 k, one block of
-// 960 bytes (15 cache lines), blocks in (panel, group) order so a thread streams its panels once:
-//   48 fp16 scales | 48 fp16 minimums | 8 k-quads x 3 column vectors x [16 columns x 2] bytes,
-// where byte (u, v, c, h) holds q[16 v + c, 4 u + h] in its low nibble and q[16 v + c, 4 u + 2 + h]
-// in its high one (k within the group). 32 such bytes widen (vpmovzxbw) to 32 words; the low
-// nibbles are k pair 2u, the high ones pair 2u + 1, each turned into bf16 by vpermw over a table of
-// the bf16 values 0..15 (exact), in vdpbf16ps's operand layout (lane c: column c's two k values).
-// A tile of up to 8 rows keeps, per row and column vector, the group's sums in registers (restarted
-// each group; two per group, see tile_kernel), and the totals in L1. Measured on one Zen 4 core
-// ([4096, 2048], cache-resident, min of 10 calls, machine shared): 1 row 0.08 ms against 0.16 for int8
-// and 0.19 for packed bf16 (0.09 with one sum per group); 64 rows 2.7-2.9 ms against 2.0 for bf16
-// (2.4 with one sum per group: running 8 rows' groups twice costs there).
-// (Quantizing the activations to int8 for VNNI's vpdpbusd, as llama.cpp does, would cost fewer
-// instructions per weight but adds the activations' rounding; not tried here.)
+// AVX512-VNNI kernel. The activations are rounded to int8 per row and 64-block (act_quant.h, as the
+// int8 product does), and multiplied by the 4-bit values with vpdpbusd: the nibbles are its unsigned
+// operand as they are (0..15), so a group's sum of products is exact in int32. Per group, output
+// and row: y += d * (scale * isum + min * gsum), with isum the group's integer sum of products,
+// gsum its sum of xq and d the row's activation scale for the group's 64-block; groups in order,
+// so a row's result never depends on its batch. pagecli.models.quantize_int4.int4_blocks_reference
+// is this arithmetic in PyTorch.
 //
-// AVX2 kernel: rows as they lie, 4 rows of x per weight row, 8 k per fp32 lane with FMA.
+// Packed layout: per panel of 48 output columns, per group of 32 k, one block of 960 bytes (15
+// cache lines), blocks in (panel, group) order so a thread streams its panels once:
+//   48 fp16 scales | 48 fp16 minimums | 4 x 3 vectors of 64 bytes,
+// where byte (j, v, c, t) of vector (j, v) holds q[16 v + c, 4 j + t] in its low nibble and
+// q[16 v + c, 16 + 4 j + t] in its high one (k within the group): masking gives k quad j and
+// shifting quad j + 4, each in vpdpbusd's operand layout (lane c: column c's four k values).
+// A tile of up to 4 rows keeps per row and column vector a group's int32 sums and the fp32 totals
+// in registers.
+//
+// AVX2 kernel: rows as they lie, 4 rows of x per weight row, 8 k per fp32 lane with FMA (activations
+// stay float there).
 
 #include "quant_int4.h"
 
@@ -30,7 +33,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include "act_quant.h"
+
+#if PAGECLI_HAVE_VNNI
 #define PAGECLI_INT4_KIND 2
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -44,10 +49,9 @@ namespace pagecli {
 namespace {
 
 constexpr int64_t kPanelCols = kPackedPanelCols;        // output columns per panel
-constexpr int64_t kQuads = kInt4Group / 4;              // k quads per group: 8
 constexpr int64_t kDataBytes = kPanelCols * kInt4Group / 2;  // 768: a panel's 4-bit weights of one group
 constexpr int64_t kBlockBytes = 2 * kPanelCols * 2 + kDataBytes;  // 960: scales, minimums, weights
-constexpr int64_t kTileRows = 8;                        // rows of x per register tile (AVX-512)
+constexpr int64_t kTileRows = 4;                        // rows of x per register tile (AVX-512)
 
 // [N] -> fp32 [ceil(N / 48) * 48], zero past N.
 at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
@@ -56,6 +60,146 @@ at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
   return padded;
 }
 
+#if PAGECLI_INT4_KIND == 2
+// q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
+at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min) {
+  const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1), num_panels = ceil_div(N, kPanelCols);
+  auto packed = at::zeros({num_panels, groups, kBlockBytes}, q.options());  // [panels, groups, 960]
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* block = out + (p * groups + g) * kBlockBytes;
+        uint16_t* scales = reinterpret_cast<uint16_t*>(block);
+        uint8_t* data = block + 4 * kPanelCols;
+        for (int64_t col = 0; col < kPanelCols && p * kPanelCols + col < N; ++col) {
+          const int64_t n = p * kPanelCols + col, v = col / 16, c = col % 16;
+          scales[col] = dp[n * groups + g];
+          scales[kPanelCols + col] = mp[n * groups + g];
+          for (int64_t i = 0; i < kInt4Group && g * kInt4Group + i < K; ++i) {
+            const int64_t high = i / 16, j = (i % 16) / 4, t = i % 4;
+            data[((j * 3 + v) * 16 + c) * 4 + t] |= static_cast<uint8_t>(qp[n * K + g * kInt4Group + i] << (4 * high));
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+struct Tile {
+  const int8_t* xq;       // first row's quantized activations; rows Kp apart
+  const float* d;         // first row's scale per 64-block; rows Kp / 64 apart
+  const int32_t* gsum;    // first row's sum of xq per 32-group; rows Kp / 32 apart
+  int64_t Kp;
+  int64_t groups;
+  const uint8_t* panel;   // [groups, 960]
+  const float* bias;      // this panel's 48 biases, or nullptr
+  void* y;                // y[first row, first column of the panel]; rows N apart
+  int64_t N;
+  int64_t cols;           // columns inside N
+};
+
+template <int kRows, typename scalar_t>
+void tile_kernel(const Tile& t) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t d_stride = t.Kp / kActBlock, s_stride = t.Kp / kActGroup;
+  __m512 acc[kRows][3];
+  for (int i = 0; i < kRows; ++i) {
+    for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* block = t.panel + g * kBlockBytes;
+    const uint16_t* halves = reinterpret_cast<const uint16_t*>(block);
+    const uint8_t* data = block + 4 * kPanelCols;
+    const int8_t* xg = t.xq + g * kInt4Group;
+    __m512i sum[kRows][3];
+    for (int i = 0; i < kRows; ++i) {
+      for (int v = 0; v < 3; ++v) sum[i][v] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int v = 0; v < 3; ++v) {
+        const __m512i w = _mm512_loadu_si512(data + (j * 3 + v) * 64);
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int i = 0; i < kRows; ++i) {
+          const int8_t* xr = xg + i * t.Kp;
+          sum[i][v] = _mm512_dpbusd_epi32(sum[i][v], lo, _mm512_set1_epi32(load_quad(xr + 4 * j)));
+          sum[i][v] = _mm512_dpbusd_epi32(sum[i][v], hi, _mm512_set1_epi32(load_quad(xr + 16 + 4 * j)));
+        }
+      }
+    }
+    for (int v = 0; v < 3; ++v) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + v * 16)));
+      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + kPanelCols + v * 16)));
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 xs = _mm512_set1_ps(static_cast<float>(t.gsum[i * s_stride + g]));
+        const __m512 part = _mm512_fmadd_ps(min, xs, _mm512_mul_ps(_mm512_cvtepi32_ps(sum[i][v]), scale));
+        acc[i][v] = _mm512_fmadd_ps(part, _mm512_set1_ps(t.d[i * d_stride + g / 2]), acc[i][v]);
+      }
+    }
+  }
+  scalar_t* y = static_cast<scalar_t*>(t.y);
+  for (int i = 0; i < kRows; ++i) {
+    alignas(64) scalar_t out[kPanelCols];
+    for (int v = 0; v < 3; ++v) {
+      __m512 r = acc[i][v];
+      if (t.bias) r = _mm512_add_ps(r, _mm512_loadu_ps(t.bias + v * 16));
+      store16(out + v * 16, r);
+    }
+    std::memcpy(y + i * t.N, out, t.cols * sizeof(scalar_t));
+  }
+}
+
+at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
+  const int64_t M = x.size(0), num_panels = packed.size(0), groups = packed.size(1);
+  auto y = at::empty({M, N}, x.options());  // [M, N]
+  if (M == 0) return y;
+  const QuantizedRows rows = quantize_activations(x);
+  const int64_t Kp = rows.xq.size(1);
+  const int8_t* qp = rows.xq.data_ptr<int8_t>();
+  const float* dp = rows.d.data_ptr<float>();
+  const int32_t* sp = rows.gsum.data_ptr<int32_t>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t row_blocks = ceil_div(M, kTileRows);
+  const RowGroups split = split_row_blocks(num_panels, row_blocks);
+  const int64_t units = num_panels * split.count;
+  PAGECLI_DISPATCH(x.scalar_type(), "int4_product", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t panel = unit / split.count, group = unit % split.count;
+        Tile t;
+        t.Kp = Kp;
+        t.groups = groups;
+        t.N = N;
+        t.panel = wp + panel * groups * kBlockBytes;
+        t.bias = bp ? bp + panel * kPanelCols : nullptr;
+        t.cols = std::min(kPanelCols, N - panel * kPanelCols);
+        const int64_t first = group * split.blocks_per_group, last = std::min(row_blocks, first + split.blocks_per_group);
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t m0 = b * kTileRows;
+          t.xq = qp + m0 * Kp;
+          t.d = dp + m0 * (Kp / kActBlock);
+          t.gsum = sp + m0 * (Kp / kActGroup);
+          t.y = yp + m0 * N + panel * kPanelCols;
+          switch (std::min(kTileRows, M - m0)) {
+            case 1: tile_kernel<1, scalar_t>(t); break;
+            case 2: tile_kernel<2, scalar_t>(t); break;
+            case 3: tile_kernel<3, scalar_t>(t); break;
+            default: tile_kernel<4, scalar_t>(t); break;
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+#endif
+
+#if PAGECLI_INT4_KIND == 1
 // x [M, K] -> x in `dtype`, [M, groups * 32], zero past K (a view of x when nothing needs padding).
 at::Tensor padded_rows(const at::Tensor& x, int64_t groups, at::ScalarType dtype) {
   const int64_t K = x.size(1), width = groups * kInt4Group;
@@ -89,188 +233,6 @@ at::Tensor group_sums(const at::Tensor& xp, int64_t groups) {
   return sums;
 }
 
-#if PAGECLI_INT4_KIND == 2
-// q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
-at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min) {
-  const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1), num_panels = ceil_div(N, kPanelCols);
-  auto packed = at::zeros({num_panels, groups, kBlockBytes}, q.options());  // [panels, groups, 960]
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* block = out + (p * groups + g) * kBlockBytes;
-        uint16_t* scales = reinterpret_cast<uint16_t*>(block);
-        uint8_t* data = block + 4 * kPanelCols;
-        for (int64_t col = 0; col < kPanelCols && p * kPanelCols + col < N; ++col) {
-          const int64_t n = p * kPanelCols + col, v = col / 16, c = col % 16;
-          scales[col] = dp[n * groups + g];
-          scales[kPanelCols + col] = mp[n * groups + g];
-          for (int64_t i = 0; i < kInt4Group && g * kInt4Group + i < K; ++i) {
-            const int64_t u = i / 4, h = i % 2, high = (i % 4) / 2;
-            data[((u * 3 + v) * 16 + c) * 2 + h] |= static_cast<uint8_t>(qp[n * K + g * kInt4Group + i] << (4 * high));
-          }
-        }
-      }
-    }
-  });
-  return packed;
-}
-
-inline int32_t load_pair(const uint16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-struct Tile {
-  const uint16_t* x;      // first row, padded to groups * 32; rows `width` apart
-  const float* xsum;      // [rows, groups]: the rows' sums over each group
-  int64_t groups;
-  const uint8_t* panel;   // [groups, 960]
-  const float* bias;      // this panel's 48 biases, or nullptr
-  uint16_t* y;            // y[first row, first column of the panel]; rows N apart
-  int64_t N;
-  int64_t cols;           // columns inside N
-};
-
-// One nibble half (0: k pair 2u, the low nibbles; 1: pair 2u + 1) of k quad u of a group, for kRows
-// rows: sum[i][v] += the products of row i with column vector v.
-template <int kRows>
-inline void quad_half(const Tile& t, const uint8_t* data, int64_t k, int64_t u, int half, __m512i table,
-                      __m512 (&sum)[kRows][3]) {
-  const int64_t width = t.groups * kInt4Group;
-  __m512bh wv[3];
-  for (int v = 0; v < 3; ++v) {
-    const __m512i words =
-        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + (u * 3 + v) * 32)));
-    const __m512i nibbles = half ? _mm512_srli_epi16(words, 4) : _mm512_and_si512(words, _mm512_set1_epi16(0x0F));
-    wv[v] = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
-  }
-  for (int i = 0; i < kRows; ++i) {
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(load_pair(t.x + i * width + k + 4 * u + 2 * half));
-    for (int v = 0; v < 3; ++v) sum[i][v] = _mm512_dpbf16_ps(sum[i][v], wv[v], xb);
-  }
-}
-
-// total[i] += scale * sum[i] (per column vector), the totals in memory.
-template <int kRows>
-inline void fold(const uint16_t* scales, __m512 (&sum)[kRows][3], float (&total)[kRows][kPanelCols]) {
-  for (int v = 0; v < 3; ++v) {
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + v * 16)));
-    for (int i = 0; i < kRows; ++i) {
-      _mm512_store_ps(total[i] + v * 16, _mm512_fmadd_ps(sum[i][v], scale, _mm512_load_ps(total[i] + v * 16)));
-      sum[i][v] = _mm512_setzero_ps();
-    }
-  }
-}
-
-// Per group, two sums per (row, column vector): A over the low nibbles' k pairs, B over the high
-// ones', each in k order; then total += scale * A, total += scale * B, total += min * (row sum of x).
-// Up to 4 rows hold A and B at once (6 independent chains for one row: vdpbf16ps's latency would
-// otherwise bound a decode step); more rows run the group twice, A then B, from L1. Both orders
-// give the same bits, so a row's result does not depend on the tile that served it.
-template <int kRows>
-void tile_kernel(const Tile& t, __m512i table) {
-  alignas(64) float total[kRows][kPanelCols] = {};
-  __m512 a[kRows][3], b[kRows][3];
-  for (int i = 0; i < kRows; ++i) {
-    for (int v = 0; v < 3; ++v) a[i][v] = b[i][v] = _mm512_setzero_ps();
-  }
-  for (int64_t g = 0; g < t.groups; ++g) {
-    const uint8_t* block = t.panel + g * kBlockBytes;
-    const uint8_t* data = block + 4 * kPanelCols;
-    const uint16_t* halves = reinterpret_cast<const uint16_t*>(block);
-    const int64_t k = g * kInt4Group;
-    if constexpr (kRows <= 4) {
-      for (int64_t u = 0; u < kQuads; ++u) {
-        quad_half<kRows>(t, data, k, u, 0, table, a);
-        quad_half<kRows>(t, data, k, u, 1, table, b);
-      }
-      fold<kRows>(halves, a, total);
-      fold<kRows>(halves, b, total);
-    } else {
-      for (int64_t u = 0; u < kQuads; ++u) quad_half<kRows>(t, data, k, u, 0, table, a);
-      fold<kRows>(halves, a, total);
-      for (int64_t u = 0; u < kQuads; ++u) quad_half<kRows>(t, data, k, u, 1, table, a);
-      fold<kRows>(halves, a, total);
-    }
-    for (int v = 0; v < 3; ++v) {
-      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + kPanelCols + v * 16)));
-      for (int i = 0; i < kRows; ++i) {
-        _mm512_store_ps(total[i] + v * 16, _mm512_fmadd_ps(min, _mm512_set1_ps(t.xsum[i * t.groups + g]),
-                                                           _mm512_load_ps(total[i] + v * 16)));
-      }
-    }
-  }
-  for (int i = 0; i < kRows; ++i) {
-    alignas(64) uint16_t out[kPanelCols];
-    for (int v = 0; v < 3; ++v) {
-      __m512 y = _mm512_load_ps(total[i] + v * 16);
-      if (t.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(t.bias + v * 16));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out + v * 16), (__m256i)_mm512_cvtneps_pbh(y));
-    }
-    std::memcpy(t.y + i * t.N, out, t.cols * sizeof(uint16_t));
-  }
-}
-
-// The bf16 values 0..15 as 16-bit words, twice (vpermw reads 5 index bits; the nibbles use 4).
-__m512i nibble_table() {
-  alignas(64) uint16_t words[32];
-  for (int i = 0; i < 32; ++i) words[i] = c10::BFloat16(static_cast<float>(i % 16)).x;
-  return _mm512_load_si512(words);
-}
-
-at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the int4 product takes bf16 activations on this level");
-  const int64_t M = x.size(0), num_panels = packed.size(0), groups = packed.size(1);
-  auto y = at::empty({M, N}, x.options());  // [M, N]
-  if (M == 0) return y;
-  const at::Tensor xp = padded_rows(x, groups, at::kBFloat16);  // [M, groups * 32]
-  const at::Tensor xsum = group_sums(xp, groups);              // [M, groups]
-  const uint16_t* xd = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
-  const float* sd = xsum.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t row_blocks = ceil_div(M, kTileRows), width = groups * kInt4Group;
-  const RowGroups split = split_row_blocks(num_panels, row_blocks);
-  const int64_t units = num_panels * split.count;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    const __m512i table = nibble_table();
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t panel = unit / split.count, group = unit % split.count;
-      Tile t;
-      t.groups = groups;
-      t.N = N;
-      t.panel = wp + panel * groups * kBlockBytes;
-      t.bias = bp ? bp + panel * kPanelCols : nullptr;
-      t.cols = std::min(kPanelCols, N - panel * kPanelCols);
-      const int64_t first = group * split.blocks_per_group, last = std::min(row_blocks, first + split.blocks_per_group);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t m0 = b * kTileRows;
-        t.x = xd + m0 * width;
-        t.xsum = sd + m0 * groups;
-        t.y = yp + m0 * N + panel * kPanelCols;
-        switch (std::min(kTileRows, M - m0)) {
-          case 1: tile_kernel<1>(t, table); break;
-          case 2: tile_kernel<2>(t, table); break;
-          case 3: tile_kernel<3>(t, table); break;
-          case 4: tile_kernel<4>(t, table); break;
-          case 5: tile_kernel<5>(t, table); break;
-          case 6: tile_kernel<6>(t, table); break;
-          case 7: tile_kernel<7>(t, table); break;
-          default: tile_kernel<8>(t, table); break;
-        }
-      }
-    }
-  });
-  return y;
-}
-#endif
-
-#if PAGECLI_INT4_KIND == 1
 // q [N, K] uint8 -> [N, groups * 16]: byte i of group g = q[32 g + i] | q[32 g + 16 + i] << 4, zero past K.
 at::Tensor pack_rows(const at::Tensor& q, int64_t groups) {
   const int64_t N = q.size(0), K = q.size(1);
@@ -349,7 +311,7 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
 PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
                                    const c10::optional<at::Tensor>& bias)
     : N_(q.dim() == 2 ? q.size(0) : 0), K_(q.dim() == 2 ? q.size(1) : 0) {
-  TORCH_CHECK(PAGECLI_INT4_KIND != 0, "the int4 products need AVX2 or AVX512-BF16, which this build lacks");
+  TORCH_CHECK(PAGECLI_INT4_KIND != 0, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
               "PackedLinearInt4 takes a contiguous uint8 [N, K] CPU weight");
@@ -381,7 +343,7 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
 #elif PAGECLI_INT4_KIND == 1
   y = product_avx2(x2, weights_, scale_min_.data_ptr<float>(), bp, N_);
 #else
-  TORCH_CHECK(false, "the int4 products need AVX2 or AVX512-BF16, which this build lacks");
+  TORCH_CHECK(false, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
@@ -393,7 +355,7 @@ at::Tensor PackedLinearInt4::scales() const {
 }
 
 const char* int4_linear_kind() {
-  return PAGECLI_INT4_KIND == 2 ? "avx512_bf16" : PAGECLI_INT4_KIND == 1 ? "avx2" : "";
+  return PAGECLI_INT4_KIND == 2 ? "avx512_vnni" : PAGECLI_INT4_KIND == 1 ? "avx2" : "";
 }
 
 }  // namespace pagecli

@@ -1,5 +1,4 @@
-// Entry points of quant_int4.cpp: bf16 (or fp32 on AVX2) activations times 4-bit weights in groups
-// of 32 along K, each group with an fp16 scale and an fp16 minimum (the Q4_1 family; Q4_0 is the
+// Entry points of quant_int4.cpp: activations times 4-bit weights in groups of 32 along K, each group with an fp16 scale and an fp16 minimum (the Q4_1 family; Q4_0 is the
 // case min = -8 * scale). Packed once at load; bound into the extension by bindings.cpp.
 
 #pragma once
@@ -20,9 +19,11 @@ constexpr int64_t kInt4Group = 32;  // weights per group along K: one scale and 
 // them; GGUF Q4_0/Q4_1 blocks map onto them as they are). The product, per output:
 // y[m, n] = sum over groups g of (scale[n, g] * sum_k x[m, k] q[n, k] + min[n, g] * sum_k x[m, k]) + bias[n],
 // every sum in fp32, groups in order, so a row's result never depends on its batch.
-//  - AVX512-BF16 builds: per (panel of 48 columns, group) one 960-byte block: 48 fp16 scales,
-//    48 fp16 minimums, then the 4-bit weights; nibbles are turned into bf16 in registers with a
-//    16-entry table (vpermw: exact, q <= 15) and multiplied with vdpbf16ps (exact products);
+//  - AVX512-VNNI builds: per (panel of 48 columns, group) one 960-byte block: 48 fp16 scales,
+//    48 fp16 minimums, then the 4-bit weights, multiplied as vpdpbusd's unsigned bytes by the
+//    activations rounded to int8 per 64-block (act_quant.h): per group
+//    y += d * (scale * sum(xq * q) + min * sum(xq)), each group's integer sums exact (layout in
+//    quant_int4.cpp; pagecli.models.quantize_int4.int4_blocks_reference is this in PyTorch);
 //  - AVX2 builds: rows as they lie, 16 bytes per group (byte i: q[32 g + i] | q[32 g + 16 + i] << 4),
 //    widened to fp32 and multiplied with FMA.
 class PackedLinearInt4 : public PackedProduct {
@@ -30,23 +31,23 @@ class PackedLinearInt4 : public PackedProduct {
   PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
                    const c10::optional<at::Tensor>& bias);
 
-  // x [..., K] (bf16, or bf16/fp32 on AVX2) -> [..., N] in x's dtype.
+  // x [..., K] (float32, bf16 or fp16) -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
 
   const at::Tensor& weights() const { return weights_; }  // the packed blocks (uint8)
-  // AVX2: the (scale, min) pairs kept beside the rows; AVX512-BF16: empty (inside the blocks).
+  // AVX2: the (scale, min) pairs kept beside the rows; AVX512-VNNI: empty (inside the blocks).
   at::Tensor scales() const;
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
 
  private:
-  at::Tensor weights_;     // uint8: panel blocks (AVX512-BF16), or [N, groups * 16] (AVX2)
-  at::Tensor scale_min_;   // AVX2 only: [N, groups, 2] fp32 (scale, min); undefined on AVX512-BF16
+  at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or [N, groups * 16] (AVX2)
+  at::Tensor scale_min_;   // AVX2 only: [N, groups, 2] fp32 (scale, min); undefined on AVX512-VNNI
   at::Tensor bias_;        // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
 };
 
-// Which kernel this build runs: "avx512_bf16", "avx2", or "" (none: the constructor raises).
+// Which kernel this build runs: "avx512_vnni", "avx2", or "" (none: the constructor raises).
 const char* int4_linear_kind();
 
 }  // namespace pagecli

@@ -35,9 +35,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include "act_quant.h"
+
+#if PAGECLI_HAVE_VNNI
 #define PAGECLI_INT8_KIND 2
-#include "simd.h"
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGECLI_INT8_KIND 1
@@ -59,13 +60,12 @@ at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
 }
 
 #if PAGECLI_INT8_KIND == 2
-constexpr int64_t kBlock = 64;                    // activations' quantization block along k
+constexpr int64_t kBlock = kActBlock;             // activations' quantization block along k (act_quant.h)
 constexpr int64_t kQuadsPerBlock = kBlock / 4;
 constexpr int64_t kQuadBytes = kPanelCols * 4;    // 192: one k quad of a panel
 constexpr int64_t kTileRows = 4;                  // rows of x per register tile
-constexpr float kTinyBlock = 1e-30f;              // a block whose largest |x| is below this counts as zero
 
-int64_t padded_k(int64_t K) { return ceil_div(K, kBlock) * kBlock; }
+int64_t padded_k(int64_t K) { return act_padded_k(K); }
 
 // q [N, K] int8 -> uint8 [ceil(N / 48), Kp / 4, 48, 4] of q + 128 (layout above).
 at::Tensor pack_int8(const at::Tensor& q) {
@@ -86,72 +86,10 @@ at::Tensor pack_int8(const at::Tensor& q) {
   return packed;
 }
 
-// Activations rounded to int8 per row and 64-block: xq [M, Kp] (zero past K), d [M, Kp / 64] and the
-// offset's correction corr = -128 * sum(xq) per block [M, Kp / 64].
-struct QuantizedRows {
-  at::Tensor xq, d, corr;
-};
-
-template <typename scalar_t>
-void quantize_block(const scalar_t* x, int64_t n, int8_t* q, float* d, int32_t* corr) {
-  __m512 v[kBlock / 16];
-  __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < kBlock / 16; ++i) {
-    const int64_t left = n - 16 * i;
-    if (left >= 16) {
-      v[i] = load16(x + 16 * i);
-    } else {
-      alignas(64) scalar_t tail[16] = {};
-      for (int64_t t = 0; t < std::max<int64_t>(left, 0); ++t) tail[t] = x[16 * i + t];
-      v[i] = load16(tail);
-    }
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-  }
-  float m = _mm512_reduce_max_ps(amax);
-  if (!(m >= kTinyBlock)) m = 0.0f;  // rounds to zeros: 127 / m would overflow for m < 4e-37
-  const __m512 inv = _mm512_set1_ps(m > 0 ? 127.0f / m : 0.0f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int i = 0; i < kBlock / 16; ++i) {
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // nearest, ties to even
-    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-    sum = _mm512_add_epi32(sum, c);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtepi32_epi8(c));
-  }
-  *d = m / 127.0f;
-  *corr = -128 * _mm512_reduce_add_epi32(sum);
-}
-
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t K) {
-  const int64_t M = x.size(0), Kp = padded_k(K), blocks = Kp / kBlock;
-  QuantizedRows out{at::empty({M, Kp}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options().dtype(at::kFloat)),
-                    at::empty({M, blocks}, x.options().dtype(at::kInt))};
-  int8_t* qp = out.xq.data_ptr<int8_t>();
-  float* dp = out.d.data_ptr<float>();
-  int32_t* cp = out.corr.data_ptr<int32_t>();
-  PAGECLI_DISPATCH(x.scalar_type(), "quantize_rows", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          quantize_block(xp + m * K + b * kBlock, std::min(kBlock, K - b * kBlock), qp + m * Kp + b * kBlock,
-                         dp + m * blocks + b, cp + m * blocks + b);
-        }
-      }
-    });
-  });
-  return out;
-}
-
-inline int32_t load_quad(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 struct Tile {
   const int8_t* xq;     // first row's quantized activations; rows Kp apart
   const float* d;       // first row's block scales; rows `blocks` apart
-  const int32_t* corr;  // first row's block corrections
+  const int32_t* gsum;  // first row's sums of xq per 32-group; rows 2 * blocks apart
   int64_t Kp, blocks;
   const uint8_t* panel;  // [Kp / 4, 48, 4]
   const float* scale;    // this panel's 48 scales
@@ -170,7 +108,8 @@ void tile_kernel(const Tile& t) {
   for (int64_t b = 0; b < t.blocks; ++b) {
     __m512i sum[kRows][3];
     for (int i = 0; i < kRows; ++i) {
-      const __m512i start = _mm512_set1_epi32(t.corr[i * t.blocks + b]);
+      const int32_t* sums = t.gsum + i * 2 * t.blocks + 2 * b;
+      const __m512i start = _mm512_set1_epi32(-128 * (sums[0] + sums[1]));  // undoes the weights' +128
       for (int v = 0; v < 3; ++v) sum[i][v] = start;
     }
     const uint8_t* quads = t.panel + b * kQuadsPerBlock * kQuadBytes;
@@ -217,10 +156,10 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
   const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), Kp = padded_k(K);
   auto y = at::empty({M, N}, xc.options());  // [M, N]
   if (M == 0) return y;
-  const QuantizedRows rows = quantize_rows(xc, K);
+  const QuantizedRows rows = quantize_activations(xc);
   const int8_t* qp = rows.xq.data_ptr<int8_t>();
   const float* dp = rows.d.data_ptr<float>();
-  const int32_t* cp = rows.corr.data_ptr<int32_t>();
+  const int32_t* cp = rows.gsum.data_ptr<int32_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t blocks = Kp / kBlock, panel_bytes = Kp / 4 * kQuadBytes, row_blocks = ceil_div(M, kTileRows);
   const RowGroups split = split_row_blocks(num_panels, row_blocks);  // shared out as the bf16 GEMM does
@@ -243,7 +182,7 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
           const int64_t m0 = rb * kTileRows;
           t.xq = qp + m0 * Kp;
           t.d = dp + m0 * blocks;
-          t.corr = cp + m0 * blocks;
+          t.gsum = cp + m0 * 2 * blocks;
           t.y = yp + m0 * N + panel * kPanelCols;
           run_tile<scalar_t>(std::min(kTileRows, M - m0), t);
         }

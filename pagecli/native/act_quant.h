@@ -1,0 +1,98 @@
+// Activations rounded to int8 for the VNNI products (quant_int8.cpp, quant_int4.cpp): per row and
+// block of 64 along k, d = max |x| / 127 and xq = round(x * (127 / max |x|)) (ties to even), a
+// block whose max |x| is below 1e-30 all zeros (127 / max would overflow). The products multiply
+// xq by unsigned weight bytes with vpdpbusd and need each 32-group's integer sum of xq (the int8
+// weights' +128 offset, the 4-bit weights' minimum). pagecli.models.quantize.round_activations is
+// this in PyTorch.
+
+#pragma once
+
+#include "simd.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGECLI_HAVE_VNNI 1
+#else
+#define PAGECLI_HAVE_VNNI 0
+#endif
+
+namespace pagecli {
+
+constexpr int64_t kActBlock = 64;  // activations' quantization block along k
+constexpr int64_t kActGroup = 32;  // the integer sums' group along k
+
+inline int64_t act_padded_k(int64_t K) { return (K + kActBlock - 1) / kActBlock * kActBlock; }
+
+#if PAGECLI_HAVE_VNNI
+// xq [M, Kp] int8 (zero past K), d [M, Kp / 64] fp32, gsum [M, Kp / 32] int32 (sum of xq per 32-group).
+struct QuantizedRows {
+  at::Tensor xq, d, gsum;
+};
+
+template <typename scalar_t>
+inline void quantize_act_block(const scalar_t* x, int64_t n, int8_t* q, float* d, int32_t* gsum) {
+  constexpr float kTinyBlock = 1e-30f;
+  __m512 v[kActBlock / 16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < kActBlock / 16; ++i) {
+    const int64_t left = n - 16 * i;
+    if (left >= 16) {
+      v[i] = load16(x + 16 * i);
+    } else {
+      alignas(64) scalar_t tail[16] = {};
+      for (int64_t t = 0; t < std::max<int64_t>(left, 0); ++t) tail[t] = x[16 * i + t];
+      v[i] = load16(tail);
+    }
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  float m = _mm512_reduce_max_ps(amax);
+  if (!(m >= kTinyBlock)) m = 0.0f;
+  const __m512 inv = _mm512_set1_ps(m > 0 ? 127.0f / m : 0.0f);
+  __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int i = 0; i < kActBlock / 16; ++i) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // nearest, ties to even
+    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    sums[i / 2] = _mm512_add_epi32(sums[i / 2], c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtepi32_epi8(c));
+  }
+  *d = m / 127.0f;
+  gsum[0] = _mm512_reduce_add_epi32(sums[0]);
+  gsum[1] = _mm512_reduce_add_epi32(sums[1]);
+}
+
+// x [M, K] contiguous (float32, bf16 or fp16).
+inline QuantizedRows quantize_activations(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), Kp = act_padded_k(K), blocks = Kp / kActBlock;
+  QuantizedRows out{at::empty({M, Kp}, x.options().dtype(at::kChar)),
+                    at::empty({M, blocks}, x.options().dtype(at::kFloat)),
+                    at::empty({M, 2 * blocks}, x.options().dtype(at::kInt))};
+  int8_t* qp = out.xq.data_ptr<int8_t>();
+  float* dp = out.d.data_ptr<float>();
+  int32_t* sp = out.gsum.data_ptr<int32_t>();
+  PAGECLI_DISPATCH(x.scalar_type(), "quantize_activations", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          quantize_act_block(xp + m * K + b * kActBlock, std::min(kActBlock, K - b * kActBlock),
+                             qp + m * Kp + b * kActBlock, dp + m * blocks + b, sp + m * 2 * blocks + 2 * b);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+inline int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+#endif
+
+}  // namespace pagecli
