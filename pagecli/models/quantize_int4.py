@@ -7,6 +7,11 @@ min = -8 * scale). Quantizing a group: min = its smallest weight and scale = (la
 both rounded to fp16 first, then q = round((w - min) / scale): every weight within half a step of
 what it stands for (plus the fp16 rounding of min). As for int8, only the decoder layers' Linears are
 quantized; the embedding table and the output layer keep the model's dtype.
+
+On AVX512-VNNI the native kernel rounds the activations to int8 per row and block of 64, as the int8
+product does (int4_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows
+598-632 GFLOP/s against about 300 for the earlier kernel (bf16 activations, nibbles widened to bf16)
+and 434-449 for the packed bf16 GEMM (Zen 4, 2 threads, scripts/bench_quant_products.py, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 class Int4Reference:
     """The int4 product in PyTorch: x @ dequantize_int4(...)^T in float32 (+ bias), where no kernel runs
-    it (PAGECLI_CPU_ISA=torch, float32 models on AVX512-BF16). Keeps the weights two to a byte and
+    it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the model's dtype). Keeps the weights two to a byte and
     dequantizes them for every call: the reference, not a fast path."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None) -> None:
