@@ -25,7 +25,7 @@ from pagecli.models.quantize_int4 import (
     GROUP, Int4Reference, dequantize_int4, int4_blocks_reference, pack_nibbles, quantize_int4, unpack_nibbles,
 )
 from pagecli.native import isa
-from test_quant_int8 import assert_within_activation_rounding
+from test_quant_int8 import assert_within_activation_rounding, check_vnni_product
 from test_quant_invariance import PROMPTS, quantized_engine
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
@@ -110,12 +110,8 @@ def test_the_vnni_int4_kernel_is_its_reference_and_within_the_rounding_of_float_
             x[0, : min(5, in_features)] = 0  # a block partly (or, at K = 1, wholly) zero
             got = layer.forward(x)
             assert got.dtype == dtype and got.shape == (rows, out_features)
-            reference = int4_blocks_reference(x, q, scale, minimum, b)
-            if dtype == torch.float32:
-                torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(in_features))
-            else:
-                torch.testing.assert_close(got, reference.to(dtype), rtol=2 ** -7, atol=1e-3)
-            assert_within_activation_rounding(got, x, weights, b, f"{dtype}, {rows} rows")
+            check_vnni_product(got, x, int4_blocks_reference(x, q, scale, minimum, b), weights, b,
+                               f"{dtype}, {rows} rows")
 
 
 def test_the_torch_reference_is_float32_math_on_the_dequantized_weights():

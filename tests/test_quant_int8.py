@@ -92,6 +92,19 @@ def activation_rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.T
     return half_step @ weight_mass.T  # [M, N]
 
 
+def check_vnni_product(got: torch.Tensor, x: torch.Tensor, reference: torch.Tensor, weights: torch.Tensor,
+                       bias: torch.Tensor | None, what: str) -> None:
+    """A VNNI product's output against its arithmetic in PyTorch (fp32 outputs within 1e-5 relative,
+    bf16 and fp16 within their own rounding) and against float math (assert_within_activation_rounding)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(x.shape[-1]),
+                                   msg=lambda m: f"{what}: {m}")
+    else:
+        torch.testing.assert_close(got, reference.to(got.dtype), rtol=2 ** -7, atol=1e-3,
+                                   msg=lambda m: f"{what}: {m}")
+    assert_within_activation_rounding(got, x, weights, bias, what)
+
+
 def assert_within_activation_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
                                       bias: torch.Tensor | None, what: str) -> None:
     """got (a VNNI product of x) against float32 math on the dequantized weights: within what rounding
@@ -120,12 +133,7 @@ def test_the_vnni_int8_kernel_is_its_reference_and_within_the_rounding_of_float_
             x[0, : min(5, in_features)] = 0  # a block that is partly (or, at K = 1, wholly) zero
             got = layer.forward(x)
             assert got.dtype == dtype and got.shape == (rows, out_features)
-            reference = int8_blocks_reference(x, q, scale, b)
-            if dtype == torch.float32:
-                torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(in_features))
-            else:
-                torch.testing.assert_close(got, reference.to(dtype), rtol=2 ** -7, atol=1e-3)
-            assert_within_activation_rounding(got, x, weights, b, f"{dtype}, {rows} rows")
+            check_vnni_product(got, x, int8_blocks_reference(x, q, scale, b), weights, b, f"{dtype}, {rows} rows")
 
 
 def test_the_vnni_int8_kernel_takes_extreme_activations():

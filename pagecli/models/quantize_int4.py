@@ -58,8 +58,8 @@ def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 class Int4Reference:
     """The int4 product in PyTorch: x @ dequantize_int4(...)^T in float32 (+ bias), where no kernel runs
-    it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the model's dtype). Keeps the weights two to a byte and
-    dequantizes them for every call: the reference, not a fast path."""
+    it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the model's dtype). Keeps the
+    weights two to a byte and dequantizes them for every call: the reference, not a fast path."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weights = pack_nibbles(q)  # [N, ceil(K / 2)]
