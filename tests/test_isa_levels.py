@@ -62,3 +62,18 @@ def test_the_users_own_library_setting_is_kept(monkeypatch):
     isa.limit_libraries()
 
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "SSE41"
+
+
+def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
+    from pagecli import native
+    from pagecli.native.__main__ import main
+
+    if not native.enabled() or native.cpu_ops() is None:
+        pytest.skip("no compiled kernels here")
+    ops = native.cpu_ops()
+    assert main() == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("==> --quantize products: "))
+    for name, kind in (("int8", ops.int8_linear_kind()), ("int4", ops.int4_linear_kind())):
+        assert f"{name} on {kind or 'the PyTorch reference'}" in line
+    assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")

@@ -28,7 +28,17 @@ def main() -> int:
     levels = isa.machine_levels(native.cpu_flags())
     print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
           f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
+    print(f"==> --quantize products: {quantized_kernels(ops)}")
     return 0
+
+
+def quantized_kernels(ops) -> str:
+    """Which kernels run --quantize int8 and int4 (and gguf's blocks) at this level, in words."""
+    kinds = {"int8": ops.int8_linear_kind(), "int4": ops.int4_linear_kind()}
+    named = ", ".join(f"{name} on {kind or 'the PyTorch reference'}" for name, kind in kinds.items())
+    if "avx512_vnni" in kinds.values():
+        named += " (AVX512-VNNI: activations rounded to int8 in blocks of 64)"
+    return named
 
 
 if __name__ == "__main__":
