@@ -4,7 +4,7 @@
 // does 64 int8 products per instruction where vdpbf16ps does 32 bf16 ones.
 //
 // AVX512-VNNI kernel: each call rounds its activations to int8 in blocks of 64 along k (a scale per
-// row and block: d = max |x| / 127, xq = round(x / d)), the way llama.cpp's Q8 activations go (in
+// row and block: d = max |x| / 127, xq = round(x * (127 / max |x|))), the way llama.cpp's Q8 activations go (in
 // blocks of 32 there). A block's products are summed exactly in int32 (vpdpbusd takes the weights
 // as unsigned bytes, q + 128, and the sum starts at -128 * sum(xq) to undo the offset), then the
 // int32 sum (exact in fp32: |sum| < 2^21) is multiplied by d and added to an fp32 accumulator, blocks
