@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from pagecli.models.quantize import round_activations
+
 GROUP = 32  # weights per group along K (pagecli/native/quant_int4.h: kInt4Group)
 
 
@@ -81,13 +83,11 @@ def int4_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     differ only by rounding): x rounded to int8 as quantize.round_activations does; per group of 32,
     y += d * (scale * sum(xq * q) + min * sum(xq)) with d the row's scale for the group's 64-block;
     plus the bias. x [..., K], q [N, K] in [0, 15], scale and min [N, ceil(K / 32)] -> [..., N] float32."""
-    from pagecli.models.quantize import round_activations
-
     xq, d = round_activations(x)  # [M, B, 64], [M, B, 1]
     groups = scale.shape[1]
-    xg = xq.reshape(xq.shape[0], -1, 32)[:, :groups]  # [M, G, 32]
+    xg = xq.reshape(xq.shape[0], -1, GROUP)[:, :groups]  # [M, G, 32]
     dg = d.repeat_interleave(2, dim=1)[:, :groups]  # [M, G, 1]
-    wq = torch.nn.functional.pad(q.double(), (0, groups * 32 - q.shape[1])).view(q.shape[0], groups, 32)
+    wq = torch.nn.functional.pad(q.double(), (0, groups * GROUP - q.shape[1])).view(q.shape[0], groups, GROUP)
     isum = torch.einsum("mgk,ngk->mgn", xg, wq)  # [M, G, N] exact integers
     xs = xg.sum(-1, keepdim=True)  # [M, G, 1]
     y = (dg * (isum * scale.double().T + xs * minimum.double().T)).sum(dim=1)  # [M, N]

@@ -33,6 +33,13 @@ inline RowGroups split_row_blocks(int64_t num_panels, int64_t row_blocks) {
   return {ceil_div(row_blocks, blocks_per_group), blocks_per_group};
 }
 
+// A per-column vector [N] (scales, biases) as fp32 [ceil(N / 48) * 48], zero past N: read a panel at a time.
+inline at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
+  auto padded = v.new_zeros({ceil_div(N, kPackedPanelCols) * kPackedPanelCols}, v.options().dtype(at::kFloat));
+  padded.narrow(0, 0, N).copy_(v);
+  return padded;
+}
+
 // The panel layout both packed kernels stream: src [N, K] row-major -> dst [ceil(N / 48), ceil(K / 2), 48, 2]
 // with dst[p, j, c, h] = src[48 p + c, 2 j + h]. dst must come zeroed: padding past N or K stays zero.
 template <typename T>

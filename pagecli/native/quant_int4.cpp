@@ -53,13 +53,6 @@ constexpr int64_t kDataBytes = kPanelCols * kInt4Group / 2;  // 768: a panel's 4
 constexpr int64_t kBlockBytes = 2 * kPanelCols * 2 + kDataBytes;  // 960: scales, minimums, weights
 constexpr int64_t kTileRows = 4;                        // rows of x per register tile (AVX-512)
 
-// [N] -> fp32 [ceil(N / 48) * 48], zero past N.
-at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
-  auto padded = at::zeros({ceil_div(N, kPanelCols) * kPanelCols}, v.options().dtype(at::kFloat));
-  padded.narrow(0, 0, N).copy_(v);
-  return padded;
-}
-
 #if PAGECLI_INT4_KIND == 2
 // q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min) {
@@ -141,16 +134,7 @@ void tile_kernel(const Tile& t) {
       }
     }
   }
-  scalar_t* y = static_cast<scalar_t*>(t.y);
-  for (int i = 0; i < kRows; ++i) {
-    alignas(64) scalar_t out[kPanelCols];
-    for (int v = 0; v < 3; ++v) {
-      __m512 r = acc[i][v];
-      if (t.bias) r = _mm512_add_ps(r, _mm512_loadu_ps(t.bias + v * 16));
-      store16(out + v * 16, r);
-    }
-    std::memcpy(y + i * t.N, out, t.cols * sizeof(scalar_t));
-  }
+  store_tile_rows<kRows>(acc, nullptr, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
 at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {

@@ -52,24 +52,14 @@ namespace {
 
 constexpr int64_t kPanelCols = kPackedPanelCols;  // output columns per panel (gemm_bf16.h's layout)
 
-// [N] -> fp32 [ceil(N / 48) * 48], zero past N.
-at::Tensor padded_fp32(const at::Tensor& v, int64_t N) {
-  auto padded = at::zeros({ceil_div(N, kPanelCols) * kPanelCols}, v.options().dtype(at::kFloat));
-  padded.narrow(0, 0, N).copy_(v);
-  return padded;
-}
-
 #if PAGECLI_INT8_KIND == 2
-constexpr int64_t kBlock = kActBlock;             // activations' quantization block along k (act_quant.h)
-constexpr int64_t kQuadsPerBlock = kBlock / 4;
+constexpr int64_t kQuadsPerBlock = kActBlock / 4;  // k quads per activation block (act_quant.h)
 constexpr int64_t kQuadBytes = kPanelCols * 4;    // 192: one k quad of a panel
 constexpr int64_t kTileRows = 4;                  // rows of x per register tile
 
-int64_t padded_k(int64_t K) { return act_padded_k(K); }
-
 // q [N, K] int8 -> uint8 [ceil(N / 48), Kp / 4, 48, 4] of q + 128 (layout above).
 at::Tensor pack_int8(const at::Tensor& q) {
-  const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelCols), quads = padded_k(K) / 4;
+  const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelCols), quads = act_padded_k(K) / 4;
   auto packed = at::full({num_panels, quads, kPanelCols, 4}, 128, q.options().dtype(at::kByte));
   const int8_t* src = q.data_ptr<int8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -113,7 +103,7 @@ void tile_kernel(const Tile& t) {
       for (int v = 0; v < 3; ++v) sum[i][v] = start;
     }
     const uint8_t* quads = t.panel + b * kQuadsPerBlock * kQuadBytes;
-    const int8_t* xb = t.xq + b * kBlock;
+    const int8_t* xb = t.xq + b * kActBlock;
     for (int64_t j = 0; j < kQuadsPerBlock; ++j) {
       const uint8_t* w = quads + j * kQuadBytes;
       const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128);
@@ -129,16 +119,7 @@ void tile_kernel(const Tile& t) {
       for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][v]), d, acc[i][v]);
     }
   }
-  scalar_t* y = static_cast<scalar_t*>(t.y);
-  for (int i = 0; i < kRows; ++i) {
-    alignas(64) scalar_t out[kPanelCols];
-    for (int v = 0; v < 3; ++v) {
-      __m512 r = _mm512_mul_ps(acc[i][v], _mm512_loadu_ps(t.scale + v * 16));
-      if (t.bias) r = _mm512_add_ps(r, _mm512_loadu_ps(t.bias + v * 16));
-      store16(out + v * 16, r);
-    }
-    std::memcpy(y + i * t.N, out, t.cols * sizeof(scalar_t));
-  }
+  store_tile_rows<kRows>(acc, t.scale, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
 template <typename scalar_t>
@@ -153,7 +134,7 @@ void run_tile(int64_t rows, const Tile& t) {
 
 at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const float* sp, const float* bp, int64_t N,
                           int64_t K) {
-  const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), Kp = padded_k(K);
+  const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), Kp = act_padded_k(K);
   auto y = at::empty({M, N}, xc.options());  // [M, N]
   if (M == 0) return y;
   const QuantizedRows rows = quantize_activations(xc);
@@ -161,7 +142,7 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
   const float* dp = rows.d.data_ptr<float>();
   const int32_t* cp = rows.gsum.data_ptr<int32_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t blocks = Kp / kBlock, panel_bytes = Kp / 4 * kQuadBytes, row_blocks = ceil_div(M, kTileRows);
+  const int64_t blocks = Kp / kActBlock, panel_bytes = Kp / 4 * kQuadBytes, row_blocks = ceil_div(M, kTileRows);
   const RowGroups split = split_row_blocks(num_panels, row_blocks);  // shared out as the bf16 GEMM does
   const int64_t groups = split.count, blocks_per_group = split.blocks_per_group;
   PAGECLI_DISPATCH(xc.scalar_type(), "int8_product", [&] {
