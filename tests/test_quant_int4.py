@@ -95,7 +95,8 @@ def test_the_avx2_int4_kernel_matches_float32_math_on_the_dequantized_weights(op
             torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+# K = 8200: 130 rows span five of the VNNI products' row chunks (act_quant.h's product_units).
+@pytest.mark.parametrize(("in_features", "out_features"), [*SHAPES, (8200, 100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_vnni_int4_kernel_is_its_reference_and_within_the_rounding_of_float_math(ops, in_features, out_features,
                                                                                      bias):
@@ -121,7 +122,7 @@ def test_the_torch_reference_is_float32_math_on_the_dequantized_weights():
     torch.testing.assert_close(Int4Reference(q, scale, minimum, b).forward(x), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000)])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000), (8200, 100)])
 def test_an_int4_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features):
     (q, scale, minimum, b), _ = int4_weights(in_features, out_features, True)
     layer = ops.PackedLinearInt4(q, scale, minimum, b)

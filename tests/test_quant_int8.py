@@ -115,7 +115,9 @@ def assert_within_activation_rounding(got: torch.Tensor, x: torch.Tensor, weight
     assert excess.max() <= 0, f"{what}: {excess.max()} past the bound"
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3), (130, 97)])
+# K = 8200: 130 rows span five of the VNNI products' row chunks (act_quant.h's product_units).
+@pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3), (130, 97),
+                                                           (8200, 100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_vnni_int8_kernel_is_its_reference_and_within_the_rounding_of_float_math(ops, in_features, out_features,
                                                                                      bias):
@@ -152,7 +154,7 @@ def test_the_vnni_int8_kernel_takes_extreme_activations():
     torch.testing.assert_close(got, int8_blocks_reference(x, q, scale, None), rtol=1e-5, atol=1e-30)
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000)])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000), (8200, 100)])
 def test_an_int8_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features):
     x, q, scale, b = int8_case(130, in_features, out_features, True)
     layer = ops.PackedLinearInt8(q, scale, b)

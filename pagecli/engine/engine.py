@@ -29,6 +29,7 @@ from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
 from pagecli.engine.hashing import root_hash
+from pagecli.engine.heap import keep_freed_activations
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
 from pagecli.engine.pool_sizing import pool_num_blocks
@@ -129,6 +130,8 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
+        if loaded.device.type == "cpu":
+            keep_freed_activations()  # weights and KV pool in place: activations' memory stays for the next step
         self._warned_no_chat_template = False
         self.disk = self._open_disk_tier()
         self.kv = KVCacheManager(self.pool, root_hash(self.fingerprint), self.disk)

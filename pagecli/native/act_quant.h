@@ -7,6 +7,7 @@
 
 #pragma once
 
+#include "gemm_bf16.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -86,6 +87,28 @@ inline QuantizedRows quantize_activations(const at::Tensor& x) {
     });
   });
   return out;
+}
+
+// The work units of a VNNI product, taken row chunk by row chunk: unit u is panel u % panels over
+// the row blocks [first_block(u), last_block(u)) of chunk u / panels. A chunk's quantized rows (about
+// kChunkBytes of xq) stay in the core's L2 while its thread walks every panel past them. Without
+// chunks each panel read all M rows: 4096 rows at K = 8192 are 32 MB of xq, over the L3, read again
+// for each of the product's panels.
+constexpr int64_t kChunkBytes = 256 * 1024;  // 128 to 512 KB measured alike; no chunks was slower
+
+struct ProductUnits {
+  int64_t panels, row_blocks, blocks_per_unit;
+  int64_t count() const { return panels * ceil_div(row_blocks, blocks_per_unit); }
+  int64_t panel(int64_t u) const { return u % panels; }
+  int64_t first_block(int64_t u) const { return u / panels * blocks_per_unit; }
+  int64_t last_block(int64_t u) const { return std::min(row_blocks, first_block(u) + blocks_per_unit); }
+};
+
+inline ProductUnits product_units(int64_t num_panels, int64_t M, int64_t tile_rows, int64_t Kp) {
+  const int64_t row_blocks = ceil_div(M, tile_rows);
+  const RowGroups split = split_row_blocks(num_panels, row_blocks);  // few panels: rows shared out too
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / (tile_rows * Kp));
+  return {num_panels, row_blocks, std::min(split.blocks_per_group, chunk_blocks)};
 }
 
 inline int32_t load_quad(const int8_t* p) {

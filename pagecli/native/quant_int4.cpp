@@ -147,14 +147,12 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const f
   const float* dp = rows.d.data_ptr<float>();
   const int32_t* sp = rows.gsum.data_ptr<int32_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t row_blocks = ceil_div(M, kTileRows);
-  const RowGroups split = split_row_blocks(num_panels, row_blocks);
-  const int64_t units = num_panels * split.count;
+  const ProductUnits units = product_units(num_panels, M, kTileRows, Kp);
   PAGECLI_DISPATCH(x.scalar_type(), "int4_product", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t panel = unit / split.count, group = unit % split.count;
+        const int64_t panel = units.panel(unit);
         Tile t;
         t.Kp = Kp;
         t.groups = groups;
@@ -162,8 +160,7 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const f
         t.panel = wp + panel * groups * kBlockBytes;
         t.bias = bp ? bp + panel * kPanelCols : nullptr;
         t.cols = std::min(kPanelCols, N - panel * kPanelCols);
-        const int64_t first = group * split.blocks_per_group, last = std::min(row_blocks, first + split.blocks_per_group);
-        for (int64_t b = first; b < last; ++b) {
+        for (int64_t b = units.first_block(unit); b < units.last_block(unit); ++b) {
           const int64_t m0 = b * kTileRows;
           t.xq = qp + m0 * Kp;
           t.d = dp + m0 * (Kp / kActBlock);

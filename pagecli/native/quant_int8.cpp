@@ -142,14 +142,13 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
   const float* dp = rows.d.data_ptr<float>();
   const int32_t* cp = rows.gsum.data_ptr<int32_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t blocks = Kp / kActBlock, panel_bytes = Kp / 4 * kQuadBytes, row_blocks = ceil_div(M, kTileRows);
-  const RowGroups split = split_row_blocks(num_panels, row_blocks);  // shared out as the bf16 GEMM does
-  const int64_t groups = split.count, blocks_per_group = split.blocks_per_group;
+  const int64_t blocks = Kp / kActBlock, panel_bytes = Kp / 4 * kQuadBytes;
+  const ProductUnits units = product_units(num_panels, M, kTileRows, Kp);
   PAGECLI_DISPATCH(xc.scalar_type(), "int8_product", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t panel = u / groups, group = u % groups;
+        const int64_t panel = units.panel(u);
         Tile t;
         t.Kp = Kp;
         t.blocks = blocks;
@@ -158,8 +157,7 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
         t.scale = sp + panel * kPanelCols;
         t.bias = bp ? bp + panel * kPanelCols : nullptr;
         t.cols = std::min(kPanelCols, N - panel * kPanelCols);
-        const int64_t first = group * blocks_per_group, last = std::min(row_blocks, first + blocks_per_group);
-        for (int64_t rb = first; rb < last; ++rb) {
+        for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
           const int64_t m0 = rb * kTileRows;
           t.xq = qp + m0 * Kp;
           t.d = dp + m0 * blocks;
