@@ -1,7 +1,7 @@
 """pagecli against llama.cpp at realistic model sizes: llama-bench's figures and a batched one.
 
     .venv/bin/python scripts/bench_shapes.py --model DIR --llama-cpp BUILD_BIN [--ggufs F16,Q8_0,Q4_0]
-        [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8,int4,gguf]
+        [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8,int4,gguf,gguf@float32]
 
 DIR is a folder made by scripts/make_shape_models.py (random weights of a real shape), with its
 GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the
@@ -10,8 +10,9 @@ contenders alternating within every repetition; medians with the range:
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
-pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level); llama.cpp
-with -t THREADS.
+pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
+ending in @float32 loads the model in float32, whose quantized products keep float activations);
+llama.cpp with -t THREADS.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import json, sys, time, torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 task, model, threads, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+quantize, _, dtype = quantize.partition("@")
 torch.set_num_threads(threads)
-engine = Engine(model, EngineConfig(dtype="bfloat16", disk_cache=False, max_num_batched_tokens=4096,
+engine = Engine(model, EngineConfig(dtype=dtype or "bfloat16", disk_cache=False, max_num_batched_tokens=4096,
                                     kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize))
 gen = torch.Generator().manual_seed(0)
 def ids(n):
@@ -90,10 +92,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="pp512,tg128,batch")
-    ap.add_argument("--quantize", default="none", help="pagecli's weight formats to run, e.g. none,int8")
+    ap.add_argument("--quantize", default="none",
+                    help="pagecli's weight formats to run, e.g. none,int8 (FORMAT@float32: a float32 model)")
     args = ap.parse_args()
     model = args.model.rstrip("/")
-    contenders = {f"pagecli {'bf16' if q == 'none' else q}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q))
+    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q))
                   for q in args.quantize.split(",")}
     for kind in args.ggufs.split(","):
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,

@@ -76,10 +76,10 @@ def test_nibble_packing_round_trips_odd_widths():
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_avx2_int4_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
-    if ops.int4_linear_kind() != "avx2":
-        pytest.skip("this build's int4 kernel rounds its activations (the VNNI test below)")
+    """The float-activation kernel: what AVX2 builds run, and VNNI builds for float32 models."""
     (q, scale, minimum, b), _ = int4_weights(in_features, out_features, bias)
-    layer = ops.PackedLinearInt4(q, scale, minimum, b)
+    layer = ops.PackedLinearInt4(q, scale, minimum, b, float_activations=True)
+    assert layer.kind == "avx2"
     weights = dequantize_int4(q, scale, minimum)  # [N, K] float32
     for dtype in (torch.bfloat16, torch.float32):
         atol = (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(in_features)
@@ -174,6 +174,31 @@ def test_every_level_runs_an_int4_model_on_its_own_products(tiny_model_factory, 
     flags, got = first_tokens(level, "bfloat16")
     assert not any(flags), f"the {level} level left products on the PyTorch reference"
     assert sum(a == b for a, b in zip(got, reference)) >= len(PROMPTS) - 1, (got, reference)
+
+
+@pytest.mark.parametrize("level", COMPILED_LEVELS)
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_a_float32_model_keeps_float_activations_and_the_references_tokens(tiny_model_factory, monkeypatch, level,
+                                                                           quantize):
+    """A float32 model runs its quantized products on the float-activation kernel at every level (a
+    VNNI CPU's too), so its greedy tokens are the PyTorch reference's: float32 math on the same
+    dequantized weights, apart only in the order of the sums."""
+    folder = tiny_model_factory("llama")
+
+    def tokens(level_name):
+        monkeypatch.setenv("PAGECLI_CPU_ISA", level_name)
+        monkeypatch.setattr(native, "_state", {})
+        with quantized_engine(folder, quantize, dtype="float32") as engine:
+            products = [m.packed for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
+            kinds = {getattr(p, "kind", "reference") for p in products}
+            outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        return kinds, [o.token_ids for o in outs]
+
+    reference_kinds, reference = tokens("torch")
+    assert reference_kinds == {"reference"}
+    kinds, got = tokens(level)
+    assert kinds == {"avx2"}, f"the {level} level's float32 products ran on {kinds}"
+    assert got == reference
 
 
 def test_int4_weights_count_as_their_packed_bytes(tiny_model_factory):

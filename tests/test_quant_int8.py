@@ -63,10 +63,10 @@ def test_quantizing_rounds_each_weight_to_within_half_its_channels_step():
 @pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_avx2_int8_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
-    if ops.int8_linear_kind() != "avx2":
-        pytest.skip("this build's int8 kernel rounds its activations (the VNNI tests below)")
+    """The float-activation kernel: what AVX2 builds run, and VNNI builds for float32 models."""
     _, q, scale, b = int8_case(1, in_features, out_features, bias)
-    layer = ops.PackedLinearInt8(q, scale, b)
+    layer = ops.PackedLinearInt8(q, scale, b, float_activations=True)
+    assert layer.kind == "avx2"
     weights = dequantize_int8(q, scale)
     for dtype in (torch.bfloat16, torch.float32):
         for rows in ROWS:

@@ -18,7 +18,7 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import Int8Reference, check_quantize_device, native_takes
+from pagecli.models.quantize import Int8Reference, check_quantize_device, keeps_float_activations, native_takes
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
@@ -120,14 +120,16 @@ class CausalLM(nn.Module):
             return
         int4 = quantize == "int4"
         kind = "" if ops is None else ops.int4_linear_kind() if int4 else ops.int8_linear_kind()
-        native_ok = native_takes(kind, self.model.norm.weight.dtype)
+        dtype = self.model.norm.weight.dtype
+        native_ok = native_takes(kind, dtype)
+        exact = keeps_float_activations(dtype)
         for layer in self.model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
                     if int4:
-                        module.quantize_int4(ops if native_ok else None)
+                        module.quantize_int4(ops if native_ok else None, exact)
                     else:
-                        module.quantize_int8(ops if native_ok else None)
+                        module.quantize_int8(ops if native_ok else None, exact)
 
     def _use_gguf_blocks(self, ops: Any) -> None:
         """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks."""
@@ -142,7 +144,8 @@ class CausalLM(nn.Module):
         products = gguf_blocks.layer_products(source, self.spec.num_heads, self.spec.num_kv_heads)
         gguf_blocks.use_gguf_products(self.model.layers, products,
                                       native_for(ops.int4_linear_kind() if ops is not None else ""),
-                                      native_for(ops.int8_linear_kind() if ops is not None else ""))
+                                      native_for(ops.int8_linear_kind() if ops is not None else ""),
+                                      keeps_float_activations(dtype))
 
     def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with

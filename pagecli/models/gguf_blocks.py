@@ -167,14 +167,15 @@ def describe_path(gguf_path: Path) -> str:
     return "; ".join(parts) or "no decoder matrices"
 
 
-def use_gguf_products(layers: Any, products: dict[tuple[int, str, str], Any], int4_ops: Any, int8_ops: Any) -> None:
+def use_gguf_products(layers: Any, products: dict[tuple[int, str, str], Any], int4_ops: Any, int8_ops: Any,
+                      float_activations: bool = False) -> None:
     """Put each decoder product on its GGUF blocks: Int4Parts on the 4-bit kernel (int4_ops: pagecli.native,
     or None for the PyTorch reference), Q8Parts requantized to per-channel int8 (int8_ops likewise),
-    anything else left on the converted folder's floats."""
+    anything else left on the converted folder's floats. float_activations: as Linear.quantize_int8."""
     for (index, module_name, product_name), parts in products.items():
         linear = getattr(getattr(layers[index], module_name), product_name)
         if isinstance(parts, Int4Parts):
-            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops)
+            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, float_activations)
         elif isinstance(parts, Q8Parts):
             linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
-            linear.quantize_int8(int8_ops)
+            linear.quantize_int8(int8_ops, float_activations)

@@ -90,8 +90,18 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def native_takes(kind: str, dtype: torch.dtype) -> bool:
     """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind())
-    takes activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16."""
+    takes activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16
+    (float32 ones on the AVX2 kernel, which VNNI builds carry too: keeps_float_activations)."""
     return kind in ("avx2", "avx512_vnni") and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def keeps_float_activations(dtype: torch.dtype) -> bool:
+    """Whether the native quantized products keep a model's activations float: float32 models do, so
+    their products are float32 math on the dequantized weights (the same numbers as the converted
+    float32 model, up to the order of the sums), at the AVX2 kernels' speed. bf16 and fp16 models
+    round activations to int8 per 64-block on a VNNI CPU, several times faster for prompts (the loss
+    is in docs/benchmarks/cpu-without-amx.md)."""
+    return dtype == torch.float32
 
 
 def check_quantize_device(quantize: str, device: torch.device) -> None:

@@ -37,7 +37,8 @@ def quantized_kernels(ops) -> str:
     kinds = {"int8": ops.int8_linear_kind(), "int4": ops.int4_linear_kind()}
     named = ", ".join(f"{name} on {kind or 'the PyTorch reference'}" for name, kind in kinds.items())
     if "avx512_vnni" in kinds.values():
-        named += " (AVX512-VNNI: activations rounded to int8 in blocks of 64)"
+        named += (" (AVX512-VNNI: bf16/fp16 models' activations rounded to int8 in blocks of 64; float32 "
+                  "models keep them float on the avx2 kernels)")
     return named
 
 

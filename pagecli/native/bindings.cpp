@@ -47,17 +47,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("in_features", &pagecli::PackedLinear::in_features);
   pybind11::class_<pagecli::PackedLinearInt8, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinearInt8>>(
       m, "PackedLinearInt8", pybind11::module_local())
-      .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&>(),
-           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none())
+      .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, bool>(),
+           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none(),
+           pybind11::arg("float_activations") = false)
       .def_property_readonly("weights", &pagecli::PackedLinearInt8::weights)
+      .def_property_readonly("kind", &pagecli::PackedLinearInt8::kind)
       .def_property_readonly("out_features", &pagecli::PackedLinearInt8::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt8::in_features);
   pybind11::class_<pagecli::PackedLinearInt4, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinearInt4>>(
       m, "PackedLinearInt4", pybind11::module_local())
       .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                          const c10::optional<torch::Tensor>&>(),
-           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("min"), pybind11::arg("bias") = pybind11::none())
+                          const c10::optional<torch::Tensor>&, bool>(),
+           pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("min"), pybind11::arg("bias") = pybind11::none(),
+           pybind11::arg("float_activations") = false)
       .def_property_readonly("weights", &pagecli::PackedLinearInt4::weights)
+      .def_property_readonly("kind", &pagecli::PackedLinearInt4::kind)
       .def_property_readonly("scales", &pagecli::PackedLinearInt4::scales)
       .def_property_readonly("out_features", &pagecli::PackedLinearInt4::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt4::in_features);

@@ -35,14 +35,14 @@
 
 #include "act_quant.h"
 
-#if PAGECLI_HAVE_VNNI
-#define PAGECLI_INT4_KIND 2
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PAGECLI_INT4_KIND 1
+// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
+// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt4's float_activations).
+#define PAGECLI_INT4_VNNI PAGECLI_HAVE_VNNI
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGECLI_INT4_AVX2 1
 #include <immintrin.h>
 #else
-#define PAGECLI_INT4_KIND 0
+#define PAGECLI_INT4_AVX2 0
 #endif
 
 namespace pagecli {
@@ -53,7 +53,7 @@ constexpr int64_t kDataBytes = kPanelCols * kInt4Group / 2;  // 768: a panel's 4
 constexpr int64_t kBlockBytes = 2 * kPanelCols * 2 + kDataBytes;  // 960: scales, minimums, weights
 constexpr int64_t kTileRows = 4;                        // rows of x per register tile (AVX-512)
 
-#if PAGECLI_INT4_KIND == 2
+#if PAGECLI_INT4_VNNI
 // q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min) {
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1), num_panels = ceil_div(N, kPanelCols);
@@ -180,7 +180,7 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const f
 }
 #endif
 
-#if PAGECLI_INT4_KIND == 1
+#if PAGECLI_INT4_AVX2
 // x [M, K] -> x in `dtype`, [M, groups * 32], zero past K (a view of x when nothing needs padding).
 at::Tensor padded_rows(const at::Tensor& x, int64_t groups, at::ScalarType dtype) {
   const int64_t K = x.size(1), width = groups * kInt4Group;
@@ -290,9 +290,10 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
 }  // namespace
 
 PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
-                                   const c10::optional<at::Tensor>& bias)
-    : N_(q.dim() == 2 ? q.size(0) : 0), K_(q.dim() == 2 ? q.size(1) : 0) {
-  TORCH_CHECK(PAGECLI_INT4_KIND != 0, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
+                                   const c10::optional<at::Tensor>& bias, bool float_activations)
+    : N_(q.dim() == 2 ? q.size(0) : 0), K_(q.dim() == 2 ? q.size(1) : 0),
+      vnni_(PAGECLI_INT4_VNNI && !float_activations) {
+  TORCH_CHECK(vnni_ || PAGECLI_INT4_AVX2, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
               "PackedLinearInt4 takes a contiguous uint8 [N, K] CPU weight");
@@ -306,9 +307,13 @@ PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, "bias must have N = ", N_, " values");
     bias_ = padded_fp32(*bias, N_);
   }
-#if PAGECLI_INT4_KIND == 2
-  weights_ = pack_int4(q, scale.contiguous(), min.contiguous());
-#elif PAGECLI_INT4_KIND == 1
+#if PAGECLI_INT4_VNNI
+  if (vnni_) {
+    weights_ = pack_int4(q, scale.contiguous(), min.contiguous());
+    return;
+  }
+#endif
+#if PAGECLI_INT4_AVX2
   weights_ = pack_rows(q, groups);
   scale_min_ = at::stack({scale.to(at::kFloat), min.to(at::kFloat)}, 2).contiguous();  // [N, groups, 2]
 #endif
@@ -319,12 +324,11 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
-#if PAGECLI_INT4_KIND == 2
-  y = product_avx512(x2, weights_, bp, N_, K_);
-#elif PAGECLI_INT4_KIND == 1
-  y = product_avx2(x2, weights_, scale_min_.data_ptr<float>(), bp, N_);
-#else
-  TORCH_CHECK(false, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
+#if PAGECLI_INT4_VNNI
+  if (vnni_) y = product_avx512(x2, weights_, bp, N_, K_);
+#endif
+#if PAGECLI_INT4_AVX2
+  if (!vnni_) y = product_avx2(x2, weights_, scale_min_.data_ptr<float>(), bp, N_);
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
@@ -335,8 +339,10 @@ at::Tensor PackedLinearInt4::scales() const {
   return scale_min_.defined() ? scale_min_ : at::empty({0}, weights_.options().dtype(at::kFloat));
 }
 
+const char* PackedLinearInt4::kind() const { return vnni_ ? "avx512_vnni" : "avx2"; }
+
 const char* int4_linear_kind() {
-  return PAGECLI_INT4_KIND == 2 ? "avx512_vnni" : PAGECLI_INT4_KIND == 1 ? "avx2" : "";
+  return PAGECLI_INT4_VNNI ? "avx512_vnni" : PAGECLI_INT4_AVX2 ? "avx2" : "";
 }
 
 }  // namespace pagecli

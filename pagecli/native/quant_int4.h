@@ -24,12 +24,14 @@ constexpr int64_t kInt4Group = 32;  // weights per group along K: one scale and 
 //    activations rounded to int8 per 64-block (act_quant.h): per group
 //    y += d * (scale * sum(xq * q) + min * sum(xq)), each group's integer sums exact (layout in
 //    quant_int4.cpp; pagecli.models.quantize_int4.int4_blocks_reference is this in PyTorch);
-//  - AVX2 builds: rows as they lie, 16 bytes per group (byte i: q[32 g + i] | q[32 g + 16 + i] << 4),
+//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): rows as they lie, 16 bytes per group (byte i: q[32 g + i] | q[32 g + 16 + i] << 4),
 //    widened to fp32 and multiplied with FMA.
 class PackedLinearInt4 : public PackedProduct {
  public:
+  // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
+  // models ask for it, so their products are float math on the dequantized weights.
   PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
-                   const c10::optional<at::Tensor>& bias);
+                   const c10::optional<at::Tensor>& bias, bool float_activations = false);
 
   // x [..., K] (float32, bf16 or fp16) -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
@@ -39,12 +41,14 @@ class PackedLinearInt4 : public PackedProduct {
   at::Tensor scales() const;
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
+  const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
   at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or [N, groups * 16] (AVX2)
   at::Tensor scale_min_;   // AVX2 only: [N, groups, 2] fp32 (scale, min); undefined on AVX512-VNNI
   at::Tensor bias_;        // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
+  bool vnni_;  // the VNNI kernel and its panel blocks, else the AVX2 one over the packed rows
 };
 
 // Which kernel this build runs: "avx512_vnni", "avx2", or "" (none: the constructor raises).

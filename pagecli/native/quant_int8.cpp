@@ -24,7 +24,7 @@
 // broadcasts for 12 vpdpbusd.
 //
 // AVX2 kernel: q as it lies [N, K], 4 rows of x per weight row, 8 k per fp32 lane with FMA
-// (activations stay float there).
+// (activations stay float there). VNNI builds have it too, for float32 models (float_activations).
 
 #include "quant_int8.h"
 
@@ -37,14 +37,14 @@
 
 #include "act_quant.h"
 
-#if PAGECLI_HAVE_VNNI
-#define PAGECLI_INT8_KIND 2
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PAGECLI_INT8_KIND 1
+// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
+// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt8's float_activations).
+#define PAGECLI_INT8_VNNI PAGECLI_HAVE_VNNI
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGECLI_INT8_AVX2 1
 #include <immintrin.h>
 #else
-#define PAGECLI_INT8_KIND 0
+#define PAGECLI_INT8_AVX2 0
 #endif
 
 namespace pagecli {
@@ -52,7 +52,7 @@ namespace {
 
 constexpr int64_t kPanelCols = kPackedPanelCols;  // output columns per panel (gemm_bf16.h's layout)
 
-#if PAGECLI_INT8_KIND == 2
+#if PAGECLI_INT8_VNNI
 constexpr int64_t kQuadsPerBlock = kActBlock / 4;  // k quads per activation block (act_quant.h)
 constexpr int64_t kQuadBytes = kPanelCols * 4;    // 192: one k quad of a panel
 constexpr int64_t kTileRows = 4;                  // rows of x per register tile
@@ -172,7 +172,7 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
 }
 #endif
 
-#if PAGECLI_INT8_KIND == 1
+#if PAGECLI_INT8_AVX2
 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -219,9 +219,10 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const float* s
 
 }  // namespace
 
-PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias)
-    : N_(q.size(0)), K_(q.dim() == 2 ? q.size(1) : 0) {
-  TORCH_CHECK(PAGECLI_INT8_KIND != 0, "the int8 products need AVX2 or AVX512-VNNI, which this build lacks");
+PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                                   bool float_activations)
+    : N_(q.size(0)), K_(q.dim() == 2 ? q.size(1) : 0), vnni_(PAGECLI_INT8_VNNI && !float_activations) {
+  TORCH_CHECK(vnni_ || PAGECLI_INT8_AVX2, "the int8 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
               "PackedLinearInt8 takes a contiguous int8 [N, K] CPU weight");
@@ -231,11 +232,13 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, "bias must have N = ", N_, " values");
     bias_ = padded_fp32(*bias, N_);
   }
-#if PAGECLI_INT8_KIND == 2
-  weights_ = pack_int8(q);
-#else
-  weights_ = q;
+#if PAGECLI_INT8_VNNI
+  if (vnni_) {
+    weights_ = pack_int8(q);
+    return;
+  }
 #endif
+  weights_ = q;
 }
 
 at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
@@ -244,20 +247,21 @@ at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
   const float* sp = scale_.data_ptr<float>();
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
-#if PAGECLI_INT8_KIND == 2
-  y = product_avx512(x2, weights_, sp, bp, N_, K_);
-#elif PAGECLI_INT8_KIND == 1
-  y = product_avx2(x2, weights_, sp, bp, N_, K_);
-#else
-  TORCH_CHECK(false, "the int8 products need AVX2 or AVX512-VNNI, which this build lacks");
+#if PAGECLI_INT8_VNNI
+  if (vnni_) y = product_avx512(x2, weights_, sp, bp, N_, K_);
+#endif
+#if PAGECLI_INT8_AVX2
+  if (!vnni_) y = product_avx2(x2, weights_, sp, bp, N_, K_);
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);
 }
 
+const char* PackedLinearInt8::kind() const { return vnni_ ? "avx512_vnni" : "avx2"; }
+
 const char* int8_linear_kind() {
-  return PAGECLI_INT8_KIND == 2 ? "avx512_vnni" : PAGECLI_INT8_KIND == 1 ? "avx2" : "";
+  return PAGECLI_INT8_VNNI ? "avx512_vnni" : PAGECLI_INT8_AVX2 ? "avx2" : "";
 }
 
 }  // namespace pagecli

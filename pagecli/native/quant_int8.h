@@ -20,12 +20,15 @@ namespace pagecli {
 //    blocks in order in fp32, times the scale, plus the bias (layout and loss in quant_int8.cpp;
 //    pagecli.models.quantize.int8_blocks_reference is this arithmetic in PyTorch). x may be
 //    float32, bf16 or fp16; the same bits for a row alone or in any batch;
-//  - AVX2 builds: q as it lies, widened to fp32 and multiplied with FMA, 8 k at a time per lane
+//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q as it lies, widened to fp32 and multiplied with FMA, 8 k at a time per lane
 //    (float activations: y = (sum of x * q) * scale + bias); a row's sum order does not depend on
 //    its batch either.
 class PackedLinearInt8 : public PackedProduct {
  public:
-  PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias);
+  // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
+  // models ask for it, so their products are float math on the dequantized weights.
+  PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                   bool float_activations = false);
 
   // x [..., K] -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
@@ -33,12 +36,14 @@ class PackedLinearInt8 : public PackedProduct {
   const at::Tensor& weights() const { return weights_; }  // the packed (or row-layout) int8 weights
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
+  const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
   at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [N, K] (AVX2)
   at::Tensor scale_;    // [ceil(N / 48) * 48] fp32, zero past N
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
+  bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one over q as it lies
 };
 
 // Which kernel this build runs: "avx512_vnni", "avx2", or "" (none: the constructor raises).
