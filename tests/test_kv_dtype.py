@@ -71,7 +71,10 @@ def test_formats_resolve_and_count_bytes():
 
 def test_fingerprint_name_keeps_the_old_name_for_auto():
     assert kv_fingerprint_name(torch.bfloat16, "none", KVFormat("bfloat16", 64)) == "bfloat16"
-    assert kv_fingerprint_name(torch.bfloat16, "int8", KVFormat("bfloat16", 64)) == "bfloat16+int8"
+    # int8 weights with a scale per 64-block: another name than per-channel int8's "bfloat16+int8",
+    # so a store written by the earlier int8 does not hit
+    assert kv_fingerprint_name(torch.bfloat16, "int8", KVFormat("bfloat16", 64)) == "bfloat16+int8-b64"
+    assert kv_fingerprint_name(torch.bfloat16, "int4", KVFormat("bfloat16", 64)) == "bfloat16+int4"
     assert kv_fingerprint_name(torch.bfloat16, "none", KVFormat("int8", 64)) == "bfloat16/kv-int8"
 
 

@@ -22,8 +22,8 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import PagecliError
 from pagecli.models.layers import Linear
-from pagecli.models.quantize import (ACTIVATION_BLOCK, Int8Reference, dequantize_int8, int8_blocks_reference,
-                                     quantize_int8)
+from pagecli.models.quantize import (ACTIVATION_BLOCK, Int8Reference, block_scales, dequantize_int8,
+                                     int8_blocks_reference, quantize_int8)
 from pagecli.native import isa
 from test_quant_invariance import quantized_engine
 
@@ -51,13 +51,17 @@ def int8_case(rows, in_features, out_features, bias, dtype=torch.bfloat16, seed=
     return x, q, scale, b
 
 
-def test_quantizing_rounds_each_weight_to_within_half_its_channels_step():
+def test_quantizing_rounds_each_weight_to_within_half_its_blocks_step():
     w = torch.randn(37, 101, generator=torch.Generator().manual_seed(1))
     w[5] = 0
+    w[7, :64] *= 1e-3  # a block far smaller than its channel's other block keeps its own step
     q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and scale.shape == (37,) and q.abs().max() <= 127
-    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert q.dtype == torch.int8 and q.shape == (37, 101) and q.abs().max() <= 127
+    assert scale.dtype == torch.bfloat16 and scale.shape == (37, 2)  # ceil(101 / 64) blocks per channel
+    steps = block_scales(scale, 101)
+    assert ((dequantize_int8(q, scale) - w).abs() <= steps / 2 + 1e-7).all()
     assert not q[5].any()
+    assert scale[7, 0] < 1e-2 * scale[7, 1] and q[7, :64].abs().max() >= 120
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3)])
@@ -170,8 +174,10 @@ def test_the_int8_kernel_refuses_what_it_cannot_take(ops):
     _, q, scale, b = int8_case(1, 64, 48, True)
     with pytest.raises(RuntimeError, match="int8 \\[N, K\\]"):
         ops.PackedLinearInt8(q.float(), scale, b)
-    with pytest.raises(RuntimeError, match="scale must have N = 48"):
+    with pytest.raises(RuntimeError, match="scale must be bf16 \\[N, ceil\\(K / 64\\)\\] = \\[48, 1\\]"):
         ops.PackedLinearInt8(q, scale[:-1], b)
+    with pytest.raises(RuntimeError, match="scale must be bf16"):
+        ops.PackedLinearInt8(q, scale.float(), b)
     with pytest.raises(RuntimeError, match="x \\[..., 64\\]"):
         ops.PackedLinearInt8(q, scale, b).forward(torch.zeros(2, 65, dtype=torch.bfloat16))
 
@@ -195,11 +201,18 @@ def test_the_torch_level_runs_int8_on_the_pytorch_reference(tiny_model_factory, 
 
 
 def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
+    """Each quantized Linear counts its int8 weights and a bf16 scale per 64 of them, as the kernel
+    keeps them (the VNNI layout pads N to 48 and K to 64)."""
     folder = tiny_model_factory("llama")
     with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False)) as engine:
         bf16_bytes = engine.weights_bytes
     with int8_engine(folder) as engine:
         int8_bytes = engine.weights_bytes
+        for m in engine.loaded.model.model.layers.modules():
+            if isinstance(m, Linear):
+                n, k = m.packed.out_features, m.packed.in_features
+                assert m.packed_weight.numel() >= n * k and m.weight_scale.dtype == torch.bfloat16
+                assert m.weight_scale.numel() >= n * -(-k // 64)
     assert int8_bytes < bf16_bytes
 
 
@@ -216,11 +229,10 @@ def test_quantize_is_checked_and_cpu_only():
 def test_int8_greedy_tokens_follow_bf16_for_a_while_on_the_embedded_model(smollm2_dir):
     """SmolLM2-135M's greedy output with int8 decoder weights against bf16, on test_smollm2_end_to_end's
     9 requests, 24 tokens each. int8 changes the model, so tokens may part ways. Measured 2026-11-26
-    (Zen 4, AVX512-VNNI kernel, activations rounded to int8 per 64-block): 3 of 9 requests identical,
-    first differing tokens [24, 22, 1, 0, 24, 4, 6, 1, 24] (106 of 216 tokens in agreeing prefixes; the
-    earlier kernel on bf16 activations: 3 of 9, [0, 1, 0, 24, 5, 4, 6, 24, 24], 88). float32 with the PyTorch int8
-    reference parts as early ([24, 0, 1, 24, 6, 2, 0, 24, 24]): the quantization moves them, not the
-    kernel. The bound keeps a broken kernel (which parts at once everywhere) from passing."""
+    (Zen 4, AVX512-VNNI kernel, activations rounded to int8 per 64-block), weights with a scale per
+    64-block: 4 of 9 requests identical, first differing tokens [19, 0, 24, 24, 5, 2, 0, 24, 24] (122
+    of 216 tokens in agreeing prefixes); with one scale per channel: 3 of 9, [24, 22, 1, 0, 24, 4, 6,
+    1, 24] (106). The bound keeps a broken kernel (which parts at once everywhere) from passing."""
     from test_smollm2_end_to_end import REQUESTS
 
     def outputs(quantize):

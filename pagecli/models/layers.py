@@ -130,7 +130,7 @@ class Linear(nn.Linear):
                        else Int8Reference(q, scale, bias))
         self.weight = None
         self.packed_weight = nn.Parameter(self.packed.weights if ops is not None else q, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.weight_scale = nn.Parameter(self.packed.scales if ops is not None else scale, requires_grad=False)
 
     def quantize_int4(self, ops: Any, float_activations: bool = False) -> None:
         """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's

@@ -1,17 +1,26 @@
-"""Weight quantization at load (--quantize int8): symmetric int8 with one scale per output channel,
-and the PyTorch reference product every native int8 kernel is tested against.
+"""Weight quantization at load (--quantize int8): symmetric int8 with one scale per output channel and
+block of 64 along the input, and the PyTorch reference product every native int8 kernel is tested
+against.
 
-w[n, k] ~= q[n, k] * scale[n], scale[n] = max_k |w[n, k]| / 127, q = round(w / scale) in [-127, 127];
-a product sums x[m, k] * q[n, k] in fp32, then multiplies by scale[n] and adds the bias. Only the
-decoder layers' Linears are quantized: the embedding table (and the output layer, which may share it)
-keeps the model's dtype, since the lookup needs its exact rows.
+w[n, k] ~= q[n, k] * scale[n, b] with b = k // 64, scale[n, b] = max |w[n, block b]| / 127 rounded
+to bf16, q = round(w / scale) in [-127, 127]; a product sums x[m, k] * q[n, k] per block in fp32,
+multiplies each block's sum by its scale, adds the blocks in order, then the bias. Only the decoder
+layers' Linears are quantized: the embedding table (and the output layer, which may share it) keeps
+the model's dtype, since the lookup needs its exact rows.
+
+Why blocks: one scale per output channel (what the quantization issue asked for first) cost SmolLM2-135M
+1.07% perplexity on tests/data/declaration.txt in float32 (26.3530 -> 26.6361), nearly all of it
+from the weights (rounding activations too moved it to +1.18%); one scale per 64-block gave 26.1766,
+within the text's noise of float32 (docs/benchmarks/cpu-without-amx.md). A bf16 scale per 64 int8
+weights adds 3% to the bytes read, against Q8_0's 6% (an fp16 scale per 32). The blocks line up
+with the VNNI kernel's activation blocks, so each block's exact integer sum takes one scale product.
 
 On AVX512-VNNI the native kernel also rounds the activations to int8 per row and block of 64
-(int8_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows it runs at
-759-780 GFLOP/s against 433-442 for the packed bf16 GEMM and 376-396 for the earlier int8 kernel,
-which widened the weights to bf16 (Zen 4, 2 threads, scripts/bench_quant_products.py, 2026-11-26).
-On the AVX2 level the int8 kernel is slower than bf16 (48 against 72 tok/s decode, 143 against 602
-batched, SmolLM2-135M on Zen 4, 2026-11-25): there it only saves memory.
+(int8_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows the per-channel
+kernel ran at 759-780 GFLOP/s against 433-442 for the packed bf16 GEMM (Zen 4, 2 threads,
+scripts/bench_quant_products.py, 2026-11-26). On the AVX2 level (and for float32 models) activations
+stay float; there the int8 kernel is slower than bf16 (48 against 72 tok/s decode, 143 against 602
+batched, SmolLM2-135M on Zen 4, 2026-11-25) and only saves memory.
 """
 
 from __future__ import annotations
@@ -20,25 +29,35 @@ import torch
 
 from pagecli.errors import PagecliError
 
+WEIGHT_BLOCK = 64  # int8 weights: one scale per output channel and this many k
+INT8_FORMAT = "int8-b64"  # what the disk store's fingerprint calls these weights (per-channel int8 was "int8")
+
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (q [N, K] int8, scale [N] float32)."""
+    """weight [N, K] -> (q [N, K] int8, scale [N, ceil(K / 64)] bfloat16)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127  # [N]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: q = 0, any scale
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
-    return q, scale
+    N, K = w.shape
+    blocks = -(-K // WEIGHT_BLOCK)
+    wb = torch.nn.functional.pad(w, (0, blocks * WEIGHT_BLOCK - K)).view(N, blocks, WEIGHT_BLOCK)
+    scale = (wb.abs().amax(dim=2) / 127).to(torch.bfloat16)  # [N, B]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: q = 0, any scale
+    q = torch.round(wb / scale.float()[:, :, None]).clamp_(-127, 127).to(torch.int8)  # [N, B, 64]
+    return q.view(N, -1)[:, :K].contiguous(), scale
+
+
+def block_scales(scale: torch.Tensor, K: int) -> torch.Tensor:
+    """scale [N, B] -> float32 [N, K]: each k's block scale."""
+    return scale.float().repeat_interleave(WEIGHT_BLOCK, dim=1)[:, :K]
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 weights [N, K] that q and scale stand for."""
-    return q.float() * scale[:, None]
+    return q.float() * block_scales(scale, q.shape[1])
 
 
 class Int8Reference:
-    """The int8 product in PyTorch: the native kernels' arithmetic (fp32 sums, then scale and bias),
-    used where no kernel runs it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the
-    model's dtype)."""
+    """The int8 product in PyTorch: float32 math on the dequantized weights, plus the bias; used where
+    no kernel runs it (PAGECLI_CPU_ISA=torch, or a level whose kernel does not take the model's dtype)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.q, self.scale = q, scale
@@ -46,13 +65,13 @@ class Int8Reference:
         self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (x.float() @ self.q.float().T) * self.scale  # [..., N]
+        y = x.float() @ dequantize_int8(self.q, self.scale).T  # [..., N]; the floats live for this call only
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
 
 
-ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in blocks of this many k
+ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in blocks of this many k (= WEIGHT_BLOCK)
 TINY_BLOCK = float(torch.tensor(1e-30, dtype=torch.float32))  # a block whose largest |x| is below it counts as zero
 
 
@@ -77,12 +96,12 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """The AVX512-VNNI int8 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
     differ only by rounding): x rounded as round_activations does, each block's integer products
-    times d, summed, times the channel's scale, plus the bias. x [..., K] -> [..., N] float32."""
+    times d and the block's weight scale, summed, plus the bias. x [..., K] -> [..., N] float32."""
     xq, d = round_activations(x)
     blocks = xq.shape[1]
     wq = torch.nn.functional.pad(q.double(), (0, blocks * ACTIVATION_BLOCK - q.shape[1])).view(q.shape[0], blocks, -1)
     sums = torch.einsum("mbk,nbk->mbn", xq, wq)  # exact integers
-    y = (sums * d).sum(dim=1) * scale.double()  # [M, N]
+    y = (sums * d * scale.double().T[None]).sum(dim=1)  # [M, N]
     if bias is not None:
         y = y + bias.double()
     return y.float().view(*x.shape[:-1], q.shape[0])

@@ -51,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none(),
            pybind11::arg("float_activations") = false)
       .def_property_readonly("weights", &pagecli::PackedLinearInt8::weights)
+      .def_property_readonly("scales", &pagecli::PackedLinearInt8::scales)
       .def_property_readonly("kind", &pagecli::PackedLinearInt8::kind)
       .def_property_readonly("out_features", &pagecli::PackedLinearInt8::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt8::in_features);

@@ -1,30 +1,33 @@
-// Activations times int8 weights quantized at load (one scale per output channel): the quantized
-// products of the decoder's Linears (quant_int8.h). Decode on a CPU is bound by the bytes of weights
-// read per token; int8 halves them against bf16. Prefill is bound by multiply-adds: VNNI's vpdpbusd
-// does 64 int8 products per instruction where vdpbf16ps does 32 bf16 ones.
+// Activations times int8 weights quantized at load (a bf16 scale per output channel and block of 64
+// along k): the quantized products of the decoder's Linears (quant_int8.h). Decode on a CPU is bound
+// by the bytes of weights read per token; int8 halves them against bf16 (the scales add 3%). Prefill
+// is bound by multiply-adds: VNNI's vpdpbusd does 64 int8 products per instruction where vdpbf16ps
+// does 32 bf16 ones.
 //
 // AVX512-VNNI kernel: each call rounds its activations to int8 in blocks of 64 along k (a scale per
 // row and block: d = max |x| / 127, xq = round(x * (127 / max |x|))), the way llama.cpp's Q8 activations go (in
 // blocks of 32 there). A block's products are summed exactly in int32 (vpdpbusd takes the weights
 // as unsigned bytes, q + 128, and the sum starts at -128 * sum(xq) to undo the offset), then the
-// int32 sum (exact in fp32: |sum| < 2^21) is multiplied by d and added to an fp32 accumulator, blocks
-// in order; the channel's scale and the bias come last. Every output sums its blocks in the same
+// int32 sum (exact in fp32: |sum| < 2^21) is multiplied by d times the block's weight scale and
+// added to an fp32 accumulator, blocks in order; the bias comes last. The weights' blocks are the
+// activations' blocks, so each exact sum takes one product. Every output sums its blocks in the same
 // order whatever the batch, and each block's sum is exact, so a row gets the same bits alone or in
-// any batch. The loss: perplexity of SmolLM2-135M on tests/data/declaration.txt (PyTorch model of
-// this arithmetic, float32) 26.64 with float activations, 26.45 with 64-blocks, 27.12 with one
-// scale per row (hence blocks).
+// any batch. The loss (perplexity of SmolLM2-135M on tests/data/declaration.txt): in
+// pagecli/models/quantize.py.
 //
 // Packed weights: uint8 [ceil(N / 48), Kp / 4, 48, 4] with Kp = K rounded up to 64,
 // packed[p, j, c, t] = q[48 p + c, 4 j + t] + 128, 128 (q = 0) past N or K. A panel's k quad j is
 // three zmm vectors whose lane c holds column c's four bytes: vpdpbusd's operand layout against
-// xq[m, 4 j : 4 j + 4] broadcast to every lane.
+// xq[m, 4 j : 4 j + 4] broadcast to every lane. Scales: bf16 bits [ceil(N / 48), Kp / 64, 48], zero
+// past N: a panel's block b is three zmm vectors once widened.
 //
 // Register tile: 4 rows by one panel: 12 int32 block sums and 12 fp32 accumulators, the 3 weight
 // vectors of the quad and the broadcast (28 of the 32 zmm registers). Each quad costs 3 loads and 4
-// broadcasts for 12 vpdpbusd.
+// broadcasts for 12 vpdpbusd; each block 3 scale loads and 12 multiplies more.
 //
-// AVX2 kernel: q as it lies [N, K], 4 rows of x per weight row, 8 k per fp32 lane with FMA
-// (activations stay float there). VNNI builds have it too, for float32 models (float_activations).
+// AVX2 kernel: q as it lies [N, K], 4 rows of x per weight row, 8 k per fp32 lane with FMA, each
+// block's lanes times its scale into the row's accumulator (activations stay float there). VNNI
+// builds have it too, for float32 models (float_activations).
 
 #include "quant_int8.h"
 
@@ -76,14 +79,22 @@ at::Tensor pack_int8(const at::Tensor& q) {
   return packed;
 }
 
+// scale [N, B] bf16 -> bf16 bits [ceil(N / 48), B, 48], zero past N.
+at::Tensor pack_scales(const at::Tensor& scale) {
+  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, kPanelCols);
+  auto packed = at::zeros({num_panels * kPanelCols, B}, scale.options());
+  packed.narrow(0, 0, N).copy_(scale);
+  return packed.view({num_panels, kPanelCols, B}).transpose(1, 2).contiguous();  // [panels, B, 48]
+}
+
 struct Tile {
   const int8_t* xq;     // first row's quantized activations; rows Kp apart
   const float* d;       // first row's block scales; rows `blocks` apart
   const int32_t* gsum;  // first row's sums of xq per 32-group; rows 2 * blocks apart
   int64_t Kp, blocks;
-  const uint8_t* panel;  // [Kp / 4, 48, 4]
-  const float* scale;    // this panel's 48 scales
-  const float* bias;     // this panel's 48 biases, or nullptr
+  const uint8_t* panel;    // [Kp / 4, 48, 4]
+  const uint16_t* wscale;  // this panel's weight scales, bf16 bits [blocks, 48]
+  const float* bias;       // this panel's 48 biases, or nullptr
   void* y;               // y[first row, first column of the panel]; rows N apart
   int64_t N;
   int64_t cols;          // columns inside N
@@ -114,12 +125,16 @@ void tile_kernel(const Tile& t) {
         sum[i][2] = _mm512_dpbusd_epi32(sum[i][2], w2, xv);
       }
     }
-    for (int i = 0; i < kRows; ++i) {
-      const __m512 d = _mm512_set1_ps(t.d[i * t.blocks + b]);
-      for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][v]), d, acc[i][v]);
+    for (int v = 0; v < 3; ++v) {  // one scale vector live at a time: the tile holds 28 registers already
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wscale + b * kPanelCols + 16 * v));
+      const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));  // bf16 -> fp32
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(t.d[i * t.blocks + b]), ws);
+        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][v]), ds, acc[i][v]);
+      }
     }
   }
-  store_tile_rows<kRows>(acc, t.scale, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
+  store_tile_rows<kRows>(acc, nullptr, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
 template <typename scalar_t>
@@ -132,8 +147,8 @@ void run_tile(int64_t rows, const Tile& t) {
   }
 }
 
-at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const float* sp, const float* bp, int64_t N,
-                          int64_t K) {
+at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const uint16_t* sp, const float* bp,
+                          int64_t N, int64_t K) {
   const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), Kp = act_padded_k(K);
   auto y = at::empty({M, N}, xc.options());  // [M, N]
   if (M == 0) return y;
@@ -154,7 +169,7 @@ at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const 
         t.blocks = blocks;
         t.N = N;
         t.panel = wp + panel * panel_bytes;
-        t.scale = sp + panel * kPanelCols;
+        t.wscale = sp + panel * blocks * kPanelCols;
         t.bias = bp ? bp + panel * kPanelCols : nullptr;
         t.cols = std::min(kPanelCols, N - panel * kPanelCols);
         for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
@@ -179,17 +194,17 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// x as fp32 [M, K]; q [N, K] int8 as it lies. Each weight row's 8-k slices are widened once for up
-// to 4 rows of x; every (row, column) output sums the same lanes in the same order for any M.
-at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const float* sp, const float* bp, int64_t N,
+// x as fp32 [M, K]; q [N, K] int8 as it lies; scales bf16 bits [N, B]. Each weight row's 8-k slices
+// are widened once for up to 4 rows of x; a block's lanes go times its scale into the row's
+// accumulator; every (row, column) output sums the same lanes in the same order for any M.
+at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const uint16_t* sp, const float* bp, int64_t N,
                         int64_t K) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const int64_t M = xf.size(0);
+  const int64_t M = xf.size(0), B = ceil_div(K, kActBlock);
   auto yf = at::empty({M, N}, xf.options());  // [M, N] fp32, cast to x's dtype at the end
   const float* xp = xf.data_ptr<float>();
   const int8_t* wp = q.data_ptr<int8_t>();
   float* yp = yf.data_ptr<float>();
-  const int64_t full = K / 8 * 8;
   constexpr int64_t R = 4;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -197,16 +212,31 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const float* s
       for (int64_t m0 = 0; m0 < M; m0 += R) {
         const int64_t rows = std::min(R, M - m0);
         __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < full; k += 8) {
-          int64_t bytes;
-          std::memcpy(&bytes, w + k, 8);
-          const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
-          for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), wv, acc[i]);
+        float tails[R] = {0, 0, 0, 0};  // the k past the last multiple of 8, scaled
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t k0 = b * kActBlock, k1 = std::min(K, k0 + kActBlock), full = k0 + (k1 - k0) / 8 * 8;
+          const uint32_t bits = static_cast<uint32_t>(sp[n * B + b]) << 16;
+          float scale;
+          std::memcpy(&scale, &bits, sizeof(scale));
+          __m256 block[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t k = k0; k < full; k += 8) {
+            int64_t bytes;
+            std::memcpy(&bytes, w + k, 8);
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+            for (int64_t i = 0; i < rows; ++i) {
+              block[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), wv, block[i]);
+            }
+          }
+          const __m256 sv = _mm256_set1_ps(scale);
+          for (int64_t i = 0; i < rows; ++i) {
+            acc[i] = _mm256_fmadd_ps(block[i], sv, acc[i]);
+            float tail = 0;
+            for (int64_t k = full; k < k1; ++k) tail += xp[(m0 + i) * K + k] * static_cast<float>(w[k]);
+            tails[i] += tail * scale;
+          }
         }
         for (int64_t i = 0; i < rows; ++i) {
-          float sum = hsum8(acc[i]);
-          for (int64_t k = full; k < K; ++k) sum += xp[(m0 + i) * K + k] * static_cast<float>(w[k]);
-          sum *= sp[n];
+          float sum = hsum8(acc[i]) + tails[i];
           if (bp) sum += bp[n];
           yp[(m0 + i) * N + n] = sum;
         }
@@ -226,8 +256,10 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
               "PackedLinearInt8 takes a contiguous int8 [N, K] CPU weight");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N_, "scale must have N = ", N_, " values");
-  scale_ = padded_fp32(scale, N_);
+  const int64_t blocks = ceil_div(K_, kActBlock);
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.dim() == 2 && scale.size(0) == N_ &&
+                  scale.size(1) == blocks,
+              "scale must be bf16 [N, ceil(K / 64)] = [", N_, ", ", blocks, "]");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, "bias must have N = ", N_, " values");
     bias_ = padded_fp32(*bias, N_);
@@ -235,16 +267,18 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
 #if PAGECLI_INT8_VNNI
   if (vnni_) {
     weights_ = pack_int8(q);
+    scale_ = pack_scales(scale);
     return;
   }
 #endif
   weights_ = q;
+  scale_ = scale.contiguous();
 }
 
 at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_, "PackedLinearInt8 takes x [..., ", K_, "]");
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
-  const float* sp = scale_.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>());
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
 #if PAGECLI_INT8_VNNI

@@ -12,17 +12,17 @@
 
 namespace pagecli {
 
-// One Linear's weight quantized to int8 at load: q [N, K] int8 and scale [N] fp32 with
-// w[n, k] ~= q[n, k] * scale[n] (pagecli.models.quantize makes them), and the bias.
+// One Linear's weight quantized to int8 at load: q [N, K] int8 and scale [N, ceil(K / 64)] bf16 with
+// w[n, k] ~= q[n, k] * scale[n, k / 64] (pagecli.models.quantize makes them), and the bias.
 //  - AVX512-VNNI builds: each call rounds x to int8 in blocks of 64 along k (a scale per row and
 //    block), sums each block's products exactly in int32 with vpdpbusd over weights packed once
-//    ([ceil(N / 48), Kp / 4, 48, 4] uint8 of q + 128, Kp = K rounded up to 64), then adds the
-//    blocks in order in fp32, times the scale, plus the bias (layout and loss in quant_int8.cpp;
-//    pagecli.models.quantize.int8_blocks_reference is this arithmetic in PyTorch). x may be
-//    float32, bf16 or fp16; the same bits for a row alone or in any batch;
-//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q as it lies, widened to fp32 and multiplied with FMA, 8 k at a time per lane
-//    (float activations: y = (sum of x * q) * scale + bias); a row's sum order does not depend on
-//    its batch either.
+//    ([ceil(N / 48), Kp / 4, 48, 4] uint8 of q + 128, Kp = K rounded up to 64), multiplies each
+//    block's sum by its two scales, adds the blocks in order in fp32, plus the bias (layout in
+//    quant_int8.cpp; pagecli.models.quantize.int8_blocks_reference is this arithmetic in PyTorch).
+//    x may be float32, bf16 or fp16; the same bits for a row alone or in any batch;
+//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q as it lies, widened to fp32
+//    and multiplied with FMA, 8 k at a time per lane, each block's lanes times its scale (float
+//    activations); a row's sum order does not depend on its batch either.
 class PackedLinearInt8 : public PackedProduct {
  public:
   // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
@@ -36,11 +36,12 @@ class PackedLinearInt8 : public PackedProduct {
   const at::Tensor& weights() const { return weights_; }  // the packed (or row-layout) int8 weights
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
+  const at::Tensor& scales() const { return scale_; }  // the weight scales as the kernel reads them (bf16)
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
   at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [N, K] (AVX2)
-  at::Tensor scale_;    // [ceil(N / 48) * 48] fp32, zero past N
+  at::Tensor scale_;    // bf16: [ceil(N / 48), Kp / 64, 48], zero past N (AVX512-VNNI), or [N, B] (AVX2)
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
   bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one over q as it lies
