@@ -3,7 +3,7 @@
 // block whose max |x| is below 1e-30 all zeros (127 / max would overflow). The products multiply
 // xq by unsigned weight bytes with vpdpbusd and need each 32-group's integer sum of xq (the int8
 // weights' +128 offset, the 4-bit weights' minimum). pagecli.models.quantize.round_activations is
-// this in PyTorch. And the store of a register tile's totals.
+// this in PyTorch. And the work units and the store of a register tile's totals.
 
 #pragma once
 
@@ -117,17 +117,15 @@ inline int32_t load_quad(const int8_t* p) {
   return v;
 }
 
-// A register tile's fp32 totals for kRows rows by one panel of 48 columns -> y: times the panel's
-// scales (if any), plus its biases (if any), rounded to scalar_t; only the first `cols` columns are
-// written (the last panel may pass N). y rows are N apart.
+// A register tile's fp32 totals for kRows rows by one panel of 48 columns -> y: plus the panel's
+// biases (if any), rounded to scalar_t; only the first `cols` columns are written (the last panel
+// may pass N). y rows are N apart.
 template <int kRows, typename scalar_t>
-inline void store_tile_rows(const __m512 (&acc)[kRows][3], const float* scale, const float* bias, scalar_t* y,
-                            int64_t N, int64_t cols) {
+inline void store_tile_rows(const __m512 (&acc)[kRows][3], const float* bias, scalar_t* y, int64_t N, int64_t cols) {
   for (int i = 0; i < kRows; ++i) {
     alignas(64) scalar_t out[48];
     for (int v = 0; v < 3; ++v) {
       __m512 r = acc[i][v];
-      if (scale) r = _mm512_mul_ps(r, _mm512_loadu_ps(scale + v * 16));
       if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + v * 16));
       store16(out + v * 16, r);
     }

@@ -134,7 +134,7 @@ void tile_kernel(const Tile& t) {
       }
     }
   }
-  store_tile_rows<kRows>(acc, nullptr, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
+  store_tile_rows<kRows>(acc, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
 at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {

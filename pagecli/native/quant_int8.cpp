@@ -134,7 +134,7 @@ void tile_kernel(const Tile& t) {
       }
     }
   }
-  store_tile_rows<kRows>(acc, nullptr, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
+  store_tile_rows<kRows>(acc, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
 template <typename scalar_t>
