@@ -50,10 +50,11 @@ def text_windows(token_ids: list[int], ctx: int, bos_id: int | None) -> list[lis
 
 
 @torch.inference_mode()
-def window_nll(model: Any, backend: Any, window: list[int], block_size: int, kv_format: KVFormat,
-               device: torch.device) -> tuple[float, int]:
-    """(sum of negative log-likelihoods, tokens scored) of one window's second half, from an empty
-    cache of its own in the engine's KV format (the engine's block pool is not touched)."""
+def window_logprobs(model: Any, backend: Any, window: list[int], block_size: int, kv_format: KVFormat,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [n, vocab] float32, the tokens that follow [n]) at the scored positions of one
+    window's second half, from an empty cache of its own in the engine's KV format (the engine's block
+    pool is not touched)."""
     ctx = len(window)
     spec = model.spec
     num_blocks = -(-ctx // block_size)
@@ -66,25 +67,34 @@ def window_nll(model: Any, backend: Any, window: list[int], block_size: int, kv_
     hidden = model.forward(ids, positions, kv_caches, meta, backend)  # [ctx, hidden]
     first = ctx // 2
     logits = model.compute_logits(hidden[first:ctx - 1]).float()  # [ctx - 1 - first, vocab]
-    nll = -torch.log_softmax(logits, dim=-1).gather(1, ids[first + 1:, None]).squeeze(1)  # [ctx - 1 - first]
-    return float(nll.double().sum()), int(nll.numel())
+    return torch.log_softmax(logits, dim=-1).cpu(), ids[first + 1:].cpu()
 
 
-def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, float], None] | None = None) -> Perplexity:
-    """The engine's model's perplexity over `text` (windows above); on_window(done, total, running ppl)."""
+def scored_windows(engine: Any, text: str, ctx: int) -> list[list[int]]:
+    """The windows of `text` this engine scores (its tokenizer; BOS first where it starts text with one)."""
     if ctx > engine.max_model_len:
         raise PagecliError(f"--ctx {ctx} is longer than this engine's context ({engine.max_model_len} tokens); "
                            "lower --ctx or raise --max-model-len.")
     tokenizer = engine.tokenizer
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     starts_with_bos = tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id] and tokenizer.bos_token_id is not None
-    windows = text_windows(token_ids, ctx, tokenizer.bos_token_id if starts_with_bos else None)
+    return text_windows(token_ids, ctx, tokenizer.bos_token_id if starts_with_bos else None)
+
+
+def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, float], None] | None = None,
+               on_logprobs: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> Perplexity:
+    """The engine's model's perplexity over `text` (windows above); on_window(done, total, running ppl);
+    on_logprobs(log-probabilities [n, vocab], next tokens [n]) for each window's scored positions."""
+    windows = scored_windows(engine, text, ctx)
     loaded = engine.loaded
     nll_sum, scored, running = 0.0, 0, []
     for index, window in enumerate(windows):
-        nll, count = window_nll(loaded.model, engine.backend, window, engine.config.block_size,
-                                engine.kv_format, loaded.device)
-        nll_sum, scored = nll_sum + nll, scored + count
+        logp, targets = window_logprobs(loaded.model, engine.backend, window, engine.config.block_size,
+                                        engine.kv_format, loaded.device)
+        if on_logprobs is not None:
+            on_logprobs(logp, targets)
+        nll = -logp.gather(1, targets[:, None]).squeeze(1)  # [n]
+        nll_sum, scored = nll_sum + float(nll.double().sum()), scored + int(nll.numel())
         running.append(math.exp(nll_sum / scored))
         if on_window is not None:
             on_window(index + 1, len(windows), running[-1])

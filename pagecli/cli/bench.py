@@ -354,29 +354,50 @@ def perplexity(
                                              metavar="FILE")],
     ctx: Annotated[int, typer.Option("--ctx", help="Tokens per window; the second half of each is scored "
                                                    "(as llama-perplexity's -c).")] = 512,
+    kl_base: Annotated[str | None, typer.Option(
+        "--kl-base", metavar="PATH",
+        help="Where PATH does not exist, save this run's next-token distributions there as the base; where it "
+             "does, print this run's KL divergence from them (e.g. first --dtype float32, then --quantize int8): "
+             "steadier than perplexity on a short text.")] = None,
 ) -> None:
     """Perplexity over a text file in windows of --ctx tokens, as llama.cpp's llama-perplexity computes it,
-    to weigh a quantization (--quantize) against bf16. Lower is better."""
+    to weigh a quantization (--quantize) against bf16. Lower is better. With --kl-base, also the KL
+    divergence from a base run's distributions (llama-perplexity's --kl-divergence)."""
     from pathlib import Path
 
     try:
         text = Path(text_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise PagecliError(f"Cannot read '{text_file}' as UTF-8 text ({error}).") from error
-    run_perplexity(flags.settings(), text, ctx)
+    run_perplexity(flags.settings(), text, ctx, Path(kl_base) if kl_base else None)
 
 
-def run_perplexity(settings: o.RunSettings, text: str, ctx: int) -> None:
-    """Load the engine as the flags say, score `text`, print a progress line a window and the figure."""
-    from pagecli.bench.perplexity import perplexity as compute
+def run_perplexity(settings: o.RunSettings, text: str, ctx: int, kl_base: Any = None) -> None:
+    """Load the engine as the flags say, score `text`, print a progress line a window and the figure;
+    with kl_base (a Path), save the base there or compare with the one there."""
+    from pagecli.bench import kl_divergence as kl
+    from pagecli.bench.perplexity import perplexity as compute, scored_windows
     from pagecli.engine import Engine
     from pagecli.ui.progress import say
 
+    base = kl.BaseDistributions.load(kl_base) if kl_base is not None and kl_base.exists() else None
     with Engine(settings.model, settings.engine, progress=lambda message: say(message, style="dim")) as engine:
         def show(done: int, total: int, running: float) -> None:
             typer.echo(f"[{done}/{total}] {running:.4f}", err=True)
 
-        result = compute(engine, text, ctx, show)
+        digest = kl.tokens_digest(scored_windows(engine, text, ctx))
+        if base is not None:
+            kl.check_compatible(base, kl_base, ctx, digest)
+        hook = None if kl_base is None else kl.Comparer(base) if base is not None else kl.Recorder()
+        result = compute(engine, text, ctx, show, hook)
+    what = (f"{engine.model_name}, quantize {settings.engine.quantize}, {engine.loaded.dtype}, "
+            f"kv {engine.kv_format.name}").replace("torch.", "")
     typer.echo(f"perplexity {result.ppl:.4f}  ({engine.model_name}, quantize {settings.engine.quantize}, "
                f"kv {engine.kv_format.name}, "
                f"{result.windows} windows of {result.ctx} tokens, {result.tokens_scored} tokens scored)")
+    if isinstance(hook, kl.Recorder):
+        hook.base(ctx, digest, what, result.ppl).save(kl_base)
+        typer.echo(f"saved this run's top {kl.TOP_K} next tokens at each of {result.tokens_scored} positions to "
+                   f"{kl_base} as the --kl-base; run again with the same --kl-base to compare")
+    elif isinstance(hook, kl.Comparer):
+        typer.echo(kl.describe(hook.result(), base, result.ppl))
