@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import pagecli.cli.bench  # noqa: F401 - registers `bench` on the app
 from pagecli.bench import kl_divergence as kl
 from pagecli.cli import app, main
+from pagecli.errors import PagecliError
 
 TEXT = Path(__file__).parent / "data" / "declaration.txt"
 
@@ -48,6 +49,14 @@ def test_past_the_top_k_the_tail_is_one_bucket_and_the_figure_a_lower_bound():
     run = torch.log_softmax(base + 0.5 * torch.randn(30, 2000, generator=gen), dim=-1)
     got, full = compare(base, run).mean, float(full_kl(base, run).mean())
     assert 0.5 * full < got <= full + 1e-12
+
+
+def test_a_base_from_a_larger_vocabulary_is_refused():
+    recorder = kl.Recorder()
+    recorder(torch.log_softmax(torch.arange(500.0).repeat(3, 1), dim=-1), torch.zeros(3, dtype=torch.int64))
+    comparer = kl.Comparer(recorder.base(64, "digest", "base", 10.0))
+    with pytest.raises(PagecliError, match="past this model's vocabulary"):
+        comparer(torch.log_softmax(torch.zeros(3, 100), dim=-1), torch.zeros(3, dtype=torch.int64))
 
 
 def run_cli(args: list[str]):

@@ -98,6 +98,9 @@ class Comparer:
         base_logp = self.base.top_logp[self.done:self.done + n].double()  # [n, K]
         if ids.shape[0] != n:
             raise PagecliError("This run scores more positions than the --kl-base file holds.")
+        if int(ids.max()) >= logp.shape[1]:
+            raise PagecliError(f"The --kl-base file names tokens past this model's vocabulary ({logp.shape[1]}); "
+                               "compare runs of the same model.")
         run_logp = logp.double().gather(1, ids)  # [n, K]
         base_p = base_logp.exp()
         kl = (base_p * (base_logp - run_logp)).sum(dim=1)
