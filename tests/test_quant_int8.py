@@ -216,6 +216,34 @@ def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
     assert int8_bytes < bf16_bytes
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("level", ["torch", *COMPILED_LEVELS])
+def test_the_output_layer_runs_on_int8_and_a_tied_table_keeps_its_rows(tiny_model_factory, monkeypatch, tied, level):
+    """--quantize int8 (and int4) put the output layer on int8 too; a tied embedding table keeps its
+    rows for the lookup and the int8 copy counts in the model's bytes."""
+    monkeypatch.setenv("PAGECLI_CPU_ISA", level)
+    monkeypatch.setattr(native, "_state", {})
+    folder = tiny_model_factory("llama", tie_word_embeddings=tied)
+    from safetensors.torch import load_file
+
+    table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"].bfloat16()
+    with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False)) as engine:
+        plain = engine.generate(PROMPTS, GREEDY)
+    with int8_engine(folder) as engine:
+        model = engine.loaded.model
+        if level == "torch":
+            assert isinstance(model.output_packed, Int8Reference)
+        else:
+            assert model.output_packed.kind in ("avx512_vnni", "avx2")
+        if tied:
+            assert torch.equal(model.model.embed_tokens.weight, table)
+            assert model.output_int8.numel() >= table.numel() and model.output_int8.dtype in (torch.int8, torch.uint8)
+        else:
+            assert model.lm_head.weight is None and model.output_packed is model.lm_head.packed
+        outs = engine.generate(PROMPTS, GREEDY)
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(plain, outs)) >= len(PROMPTS) - 1
+
+
 def test_quantize_is_checked_and_cpu_only():
     with pytest.raises(PagecliError, match="quantize must be one of none, int8, int4"):
         EngineConfig(quantize="int3")
@@ -230,9 +258,10 @@ def test_int8_greedy_tokens_follow_bf16_for_a_while_on_the_embedded_model(smollm
     """SmolLM2-135M's greedy output with int8 decoder weights against bf16, on test_smollm2_end_to_end's
     9 requests, 24 tokens each. int8 changes the model, so tokens may part ways. Measured 2026-11-26
     (Zen 4, AVX512-VNNI kernel, activations rounded to int8 per 64-block), weights with a scale per
-    64-block: 4 of 9 requests identical, first differing tokens [19, 0, 24, 24, 5, 2, 0, 24, 24] (122
-    of 216 tokens in agreeing prefixes); with one scale per channel: 3 of 9, [24, 22, 1, 0, 24, 4, 6,
-    1, 24] (106). The bound keeps a broken kernel (which parts at once everywhere) from passing."""
+    64-block and the output layer on int8 too: 5 of 9 requests identical, first differing tokens [24,
+    0, 1, 24, 24, 2, 0, 24, 24] (123 of 216 tokens in agreeing prefixes; with a bf16 output layer 4 of
+    9, 122); with one scale per channel: 3 of 9, [24, 22, 1, 0, 24, 4, 6, 1, 24] (106). The bound
+    keeps a broken kernel (which parts at once everywhere) from passing."""
     from test_smollm2_end_to_end import REQUESTS
 
     def outputs(quantize):

@@ -18,7 +18,8 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import Int8Reference, check_quantize_device, keeps_float_activations, native_takes
+from pagecli.models.quantize import (Int8Reference, check_quantize_device, keeps_float_activations, native_takes,
+                                     quantize_int8)
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
@@ -99,7 +100,7 @@ class CausalLM(nn.Module):
     linear_kernel: LinearKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
     source_folder: Path | None = None  # the folder load_model read (a GGUF's conversion names its file)
-    output_packed: Any = None  # the output layer's PackedLinear, when the products run packed
+    output_packed: Any = None  # the output layer's PackedLinear (products run packed) or int8 product (--quantize)
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
@@ -108,28 +109,47 @@ class CausalLM(nn.Module):
 
     def quantize_weights(self, quantize: str, ops: Any = None) -> None:
         """--quantize int8 / int4 / gguf: the decoder layers' Linears as int8 with a scale per output
-        channel (pagecli.models.quantize), as 4-bit groups (quantize_int4) or on a GGUF file's own
-        blocks (gguf_blocks), run by pagecli.native's kernel (AVX2 or AVX512-VNNI, any float dtype), else
-        by the PyTorch reference. The embedding table and the output layer keep the model's dtype
-        (the lookup needs exact rows; a tied table is one)."""
+        channel and 64-block (pagecli.models.quantize), as 4-bit groups (quantize_int4) or on a GGUF
+        file's own blocks (gguf_blocks); with int8 and int4 the output layer as int8 too; run by
+        pagecli.native's kernels (AVX2 or AVX512-VNNI, any float dtype), else by the PyTorch reference.
+        The embedding table keeps the model's dtype (the lookup needs exact rows; a tied table is
+        kept for it, beside the output layer's int8 copy)."""
         if quantize == "none":
             return
         check_quantize_device(quantize, self.model.norm.weight.device)
+        dtype = self.model.norm.weight.dtype
+        exact = keeps_float_activations(dtype)
+        int8_ops = ops if ops is not None and native_takes(ops.int8_linear_kind(), dtype) else None
         if quantize == "gguf":
-            self._use_gguf_blocks(ops)
+            self._use_gguf_blocks(ops)  # the output layer keeps the file's numbers (converted to floats)
             return
         int4 = quantize == "int4"
-        kind = "" if ops is None else ops.int4_linear_kind() if int4 else ops.int8_linear_kind()
-        dtype = self.model.norm.weight.dtype
-        native_ok = native_takes(kind, dtype)
-        exact = keeps_float_activations(dtype)
+        int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
         for layer in self.model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
                     if int4:
-                        module.quantize_int4(ops if native_ok else None, exact)
+                        module.quantize_int4(int4_ops, exact)
                     else:
-                        module.quantize_int8(ops if native_ok else None, exact)
+                        module.quantize_int8(int8_ops, exact)
+        self._quantize_output(int8_ops, exact)
+
+    def _quantize_output(self, ops: Any, float_activations: bool) -> None:
+        """The output layer as int8 (a scale per output channel and 64-block), as llama.cpp's quantized
+        files keep theirs (Q8_0, Q6_K): in SmolLM2-135M it is 57 MB of bf16 of the 164 MB an int8 decode
+        step read. A tied embedding table stays as it is for the lookup; the product reads the copy."""
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.quantize_int8(ops, float_activations)
+            self.output_packed = self.lm_head.packed
+            return
+        q, scale = quantize_int8(self.model.embed_tokens.weight)
+        if ops is not None:
+            self.output_packed = ops.PackedLinearInt8(q, scale, None, float_activations=float_activations)
+            q, scale = self.output_packed.weights, self.output_packed.scales
+        else:
+            self.output_packed = Int8Reference(q, scale, None)
+        self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
+        self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
 
     def _use_gguf_blocks(self, ops: Any) -> None:
         """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks."""
@@ -158,7 +178,7 @@ class CausalLM(nn.Module):
         if packed is None:
             packed = native.packed_gemm_wanted(ops)
         self.quantize_weights(quantize, ops)
-        bf16 = self.output_weight.dtype == torch.bfloat16 if self.output_packed is None else True
+        bf16 = self.model.norm.weight.dtype == torch.bfloat16
         packed = packed and bf16
         linear_kernel = ops.linear if bf16 else None
         self.linear_kernel = linear_kernel

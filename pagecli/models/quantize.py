@@ -4,9 +4,10 @@ against.
 
 w[n, k] ~= q[n, k] * scale[n, b] with b = k // 64, scale[n, b] = max |w[n, block b]| / 127 rounded
 to bf16, q = round(w / scale) in [-127, 127]; a product sums x[m, k] * q[n, k] per block in fp32,
-multiplies each block's sum by its scale, adds the blocks in order, then the bias. Only the decoder
-layers' Linears are quantized: the embedding table (and the output layer, which may share it) keeps
-the model's dtype, since the lookup needs its exact rows.
+multiplies each block's sum by its scale, adds the blocks in order, then the bias. The decoder
+layers' Linears and the output layer are quantized; the embedding table keeps the model's dtype,
+since the lookup needs its exact rows (a tied table is kept for the lookup beside the output
+layer's int8 copy: CausalLM.quantize_weights).
 
 Why blocks: one scale per output channel (what the quantization issue asked for first) cost SmolLM2-135M
 1.07% perplexity on tests/data/declaration.txt in float32 (26.3530 -> 26.6361), nearly all of it
