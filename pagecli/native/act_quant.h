@@ -111,6 +111,57 @@ inline ProductUnits product_units(int64_t num_panels, int64_t M, int64_t tile_ro
   return {num_panels, row_blocks, std::min(split.blocks_per_group, chunk_blocks)};
 }
 
+// One register tile of a VNNI product: up to kVnniTileRows rows of x by one panel of 48 columns.
+// Each product's own Tile extends it with its panel's weights.
+constexpr int64_t kVnniTileRows = 4;
+
+struct TileRows {
+  const int8_t* xq;     // first row's quantized activations; rows Kp apart
+  const float* d;       // first row's scale per 64-block; rows Kp / 64 apart
+  const int32_t* gsum;  // first row's sum of xq per 32-group; rows Kp / 32 apart
+  int64_t Kp;
+  void* y;              // y[first row, first column of the panel]; rows N apart
+  int64_t N;
+  int64_t cols;         // columns inside N
+};
+
+// x [M, K] times a product's packed panels -> y [M, N] in x's dtype: x's activations rounded once
+// (quantize_activations), then product.tile<rows, scalar_t>(panel, TileRows) for every panel and
+// register tile, in product_units' order, shared out over the threads.
+template <typename Product>
+at::Tensor run_vnni_product(const at::Tensor& x, int64_t N, const Product& product) {
+  const int64_t M = x.size(0), num_panels = ceil_div(N, kPackedPanelCols);
+  auto y = at::empty({M, N}, x.options());  // [M, N]
+  if (M == 0) return y;
+  const QuantizedRows rows = quantize_activations(x);
+  const int64_t Kp = rows.xq.size(1), blocks = Kp / kActBlock;
+  const int8_t* qp = rows.xq.data_ptr<int8_t>();
+  const float* dp = rows.d.data_ptr<float>();
+  const int32_t* sp = rows.gsum.data_ptr<int32_t>();
+  const ProductUnits units = product_units(num_panels, M, kVnniTileRows, Kp);
+  PAGECLI_DISPATCH(x.scalar_type(), "vnni_product", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t panel = units.panel(u);
+        for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
+          const int64_t m0 = rb * kVnniTileRows;
+          const TileRows tile{qp + m0 * Kp, dp + m0 * blocks, sp + m0 * 2 * blocks, Kp,
+                              yp + m0 * N + panel * kPackedPanelCols, N,
+                              std::min(kPackedPanelCols, N - panel * kPackedPanelCols)};
+          switch (std::min(kVnniTileRows, M - m0)) {
+            case 1: product.template tile<1, scalar_t>(panel, tile); break;
+            case 2: product.template tile<2, scalar_t>(panel, tile); break;
+            case 3: product.template tile<3, scalar_t>(panel, tile); break;
+            default: product.template tile<4, scalar_t>(panel, tile); break;
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
 inline int32_t load_quad(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));

@@ -51,7 +51,6 @@ namespace {
 constexpr int64_t kPanelCols = kPackedPanelCols;        // output columns per panel
 constexpr int64_t kDataBytes = kPanelCols * kInt4Group / 2;  // 768: a panel's 4-bit weights of one group
 constexpr int64_t kBlockBytes = 2 * kPanelCols * 2 + kDataBytes;  // 960: scales, minimums, weights
-constexpr int64_t kTileRows = 4;                        // rows of x per register tile (AVX-512)
 
 #if PAGECLI_INT4_VNNI
 // q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
@@ -83,17 +82,10 @@ at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Ten
   return packed;
 }
 
-struct Tile {
-  const int8_t* xq;       // first row's quantized activations; rows Kp apart
-  const float* d;         // first row's scale per 64-block; rows Kp / 64 apart
-  const int32_t* gsum;    // first row's sum of xq per 32-group; rows Kp / 32 apart
-  int64_t Kp;
+struct Tile : TileRows {
   int64_t groups;
   const uint8_t* panel;   // [groups, 960]
   const float* bias;      // this panel's 48 biases, or nullptr
-  void* y;                // y[first row, first column of the panel]; rows N apart
-  int64_t N;
-  int64_t cols;           // columns inside N
 };
 
 template <int kRows, typename scalar_t>
@@ -137,46 +129,25 @@ void tile_kernel(const Tile& t) {
   store_tile_rows<kRows>(acc, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
-at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
-  const int64_t M = x.size(0), num_panels = packed.size(0), groups = packed.size(1);
-  auto y = at::empty({M, N}, x.options());  // [M, N]
-  if (M == 0) return y;
-  const QuantizedRows rows = quantize_activations(x);
-  const int64_t Kp = rows.xq.size(1);
-  const int8_t* qp = rows.xq.data_ptr<int8_t>();
-  const float* dp = rows.d.data_ptr<float>();
-  const int32_t* sp = rows.gsum.data_ptr<int32_t>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const ProductUnits units = product_units(num_panels, M, kTileRows, Kp);
-  PAGECLI_DISPATCH(x.scalar_type(), "int4_product", [&] {
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t panel = units.panel(unit);
-        Tile t;
-        t.Kp = Kp;
-        t.groups = groups;
-        t.N = N;
-        t.panel = wp + panel * groups * kBlockBytes;
-        t.bias = bp ? bp + panel * kPanelCols : nullptr;
-        t.cols = std::min(kPanelCols, N - panel * kPanelCols);
-        for (int64_t b = units.first_block(unit); b < units.last_block(unit); ++b) {
-          const int64_t m0 = b * kTileRows;
-          t.xq = qp + m0 * Kp;
-          t.d = dp + m0 * (Kp / kActBlock);
-          t.gsum = sp + m0 * (Kp / kActGroup);
-          t.y = yp + m0 * N + panel * kPanelCols;
-          switch (std::min(kTileRows, M - m0)) {
-            case 1: tile_kernel<1, scalar_t>(t); break;
-            case 2: tile_kernel<2, scalar_t>(t); break;
-            case 3: tile_kernel<3, scalar_t>(t); break;
-            default: tile_kernel<4, scalar_t>(t); break;
-          }
-        }
-      }
-    });
-  });
-  return y;
+// The packed blocks of one product, for run_vnni_product (act_quant.h).
+struct Panels {
+  const uint8_t* blocks;  // [ceil(N / 48), groups, 960]
+  const float* bias;      // [ceil(N / 48) * 48], or nullptr
+  int64_t groups;
+
+  template <int kRows, typename scalar_t>
+  void tile(int64_t panel, const TileRows& rows) const {
+    Tile t;
+    static_cast<TileRows&>(t) = rows;
+    t.groups = groups;
+    t.panel = blocks + panel * groups * kBlockBytes;
+    t.bias = bias ? bias + panel * kPanelCols : nullptr;
+    tile_kernel<kRows, scalar_t>(t);
+  }
+};
+
+at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N) {
+  return run_vnni_product(x, N, Panels{packed.data_ptr<uint8_t>(), bp, packed.size(1)});
 }
 #endif
 
@@ -325,7 +296,7 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
 #if PAGECLI_INT4_VNNI
-  if (vnni_) y = product_avx512(x2, weights_, bp, N_, K_);
+  if (vnni_) y = product_avx512(x2, weights_, bp, N_);
 #endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) y = product_avx2(x2, weights_, scale_min_.data_ptr<float>(), bp, N_);

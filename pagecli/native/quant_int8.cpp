@@ -58,7 +58,6 @@ constexpr int64_t kPanelCols = kPackedPanelCols;  // output columns per panel (g
 #if PAGECLI_INT8_VNNI
 constexpr int64_t kQuadsPerBlock = kActBlock / 4;  // k quads per activation block (act_quant.h)
 constexpr int64_t kQuadBytes = kPanelCols * 4;    // 192: one k quad of a panel
-constexpr int64_t kTileRows = 4;                  // rows of x per register tile
 
 // q [N, K] int8 -> uint8 [ceil(N / 48), Kp / 4, 48, 4] of q + 128 (layout above).
 at::Tensor pack_int8(const at::Tensor& q) {
@@ -87,17 +86,11 @@ at::Tensor pack_scales(const at::Tensor& scale) {
   return packed.view({num_panels, kPanelCols, B}).transpose(1, 2).contiguous();  // [panels, B, 48]
 }
 
-struct Tile {
-  const int8_t* xq;     // first row's quantized activations; rows Kp apart
-  const float* d;       // first row's block scales; rows `blocks` apart
-  const int32_t* gsum;  // first row's sums of xq per 32-group; rows 2 * blocks apart
-  int64_t Kp, blocks;
+struct Tile : TileRows {
+  int64_t blocks;          // Kp / 64
   const uint8_t* panel;    // [Kp / 4, 48, 4]
   const uint16_t* wscale;  // this panel's weight scales, bf16 bits [blocks, 48]
   const float* bias;       // this panel's 48 biases, or nullptr
-  void* y;               // y[first row, first column of the panel]; rows N apart
-  int64_t N;
-  int64_t cols;          // columns inside N
 };
 
 template <int kRows, typename scalar_t>
@@ -137,53 +130,29 @@ void tile_kernel(const Tile& t) {
   store_tile_rows<kRows>(acc, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
 
-template <typename scalar_t>
-void run_tile(int64_t rows, const Tile& t) {
-  switch (rows) {
-    case 1: tile_kernel<1, scalar_t>(t); break;
-    case 2: tile_kernel<2, scalar_t>(t); break;
-    case 3: tile_kernel<3, scalar_t>(t); break;
-    default: tile_kernel<4, scalar_t>(t); break;
-  }
-}
+// The packed weights of one product, for run_vnni_product (act_quant.h).
+struct Panels {
+  const uint8_t* weights;  // [ceil(N / 48), Kp / 4, 48, 4]
+  const uint16_t* scales;  // [ceil(N / 48), Kp / 64, 48]
+  const float* bias;       // [ceil(N / 48) * 48], or nullptr
+  int64_t blocks, panel_bytes;
 
-at::Tensor product_avx512(const at::Tensor& xc, const at::Tensor& packed, const uint16_t* sp, const float* bp,
+  template <int kRows, typename scalar_t>
+  void tile(int64_t panel, const TileRows& rows) const {
+    Tile t;
+    static_cast<TileRows&>(t) = rows;
+    t.blocks = blocks;
+    t.panel = weights + panel * panel_bytes;
+    t.wscale = scales + panel * blocks * kPanelCols;
+    t.bias = bias ? bias + panel * kPanelCols : nullptr;
+    tile_kernel<kRows, scalar_t>(t);
+  }
+};
+
+at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const uint16_t* sp, const float* bp,
                           int64_t N, int64_t K) {
-  const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), Kp = act_padded_k(K);
-  auto y = at::empty({M, N}, xc.options());  // [M, N]
-  if (M == 0) return y;
-  const QuantizedRows rows = quantize_activations(xc);
-  const int8_t* qp = rows.xq.data_ptr<int8_t>();
-  const float* dp = rows.d.data_ptr<float>();
-  const int32_t* cp = rows.gsum.data_ptr<int32_t>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t blocks = Kp / kActBlock, panel_bytes = Kp / 4 * kQuadBytes;
-  const ProductUnits units = product_units(num_panels, M, kTileRows, Kp);
-  PAGECLI_DISPATCH(xc.scalar_type(), "int8_product", [&] {
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t panel = units.panel(u);
-        Tile t;
-        t.Kp = Kp;
-        t.blocks = blocks;
-        t.N = N;
-        t.panel = wp + panel * panel_bytes;
-        t.wscale = sp + panel * blocks * kPanelCols;
-        t.bias = bp ? bp + panel * kPanelCols : nullptr;
-        t.cols = std::min(kPanelCols, N - panel * kPanelCols);
-        for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
-          const int64_t m0 = rb * kTileRows;
-          t.xq = qp + m0 * Kp;
-          t.d = dp + m0 * blocks;
-          t.gsum = cp + m0 * 2 * blocks;
-          t.y = yp + m0 * N + panel * kPanelCols;
-          run_tile<scalar_t>(std::min(kTileRows, M - m0), t);
-        }
-      }
-    });
-  });
-  return y;
+  const int64_t Kp = act_padded_k(K);
+  return run_vnni_product(x, N, Panels{packed.data_ptr<uint8_t>(), sp, bp, Kp / kActBlock, Kp / 4 * kQuadBytes});
 }
 #endif
 
