@@ -120,11 +120,11 @@ class CausalLM(nn.Module):
         dtype = self.model.norm.weight.dtype
         exact = keeps_float_activations(dtype)
         int8_ops = ops if ops is not None and native_takes(ops.int8_linear_kind(), dtype) else None
+        int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
         if quantize == "gguf":
-            self._use_gguf_blocks(ops)  # the output layer keeps the file's numbers (converted to floats)
+            self._use_gguf_blocks(int4_ops, int8_ops, exact)  # the output layer keeps the file's numbers
             return
         int4 = quantize == "int4"
-        int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
         for layer in self.model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
@@ -151,21 +151,17 @@ class CausalLM(nn.Module):
         self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
         self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
 
-    def _use_gguf_blocks(self, ops: Any) -> None:
-        """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks."""
+    def _use_gguf_blocks(self, int4_ops: Any, int8_ops: Any, float_activations: bool) -> None:
+        """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks,
+        on the native kernels given (None: the PyTorch reference)."""
         from pagecli.models import gguf_blocks
 
         source = gguf_blocks.gguf_source(self.source_folder) if self.source_folder is not None else None
         if source is None:
             raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
                                "loaded from a .gguf file (use int8 or int4).")
-        dtype = self.model.norm.weight.dtype
-        native_for = lambda kind: ops if native_takes(kind, dtype) else None  # noqa: E731
         products = gguf_blocks.layer_products(source, self.spec.num_heads, self.spec.num_kv_heads)
-        gguf_blocks.use_gguf_products(self.model.layers, products,
-                                      native_for(ops.int4_linear_kind() if ops is not None else ""),
-                                      native_for(ops.int8_linear_kind() if ops is not None else ""),
-                                      keeps_float_activations(dtype))
+        gguf_blocks.use_gguf_products(self.model.layers, products, int4_ops, int8_ops, float_activations)
 
     def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with

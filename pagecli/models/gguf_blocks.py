@@ -170,7 +170,7 @@ def describe_path(gguf_path: Path) -> str:
 def use_gguf_products(layers: Any, products: dict[tuple[int, str, str], Any], int4_ops: Any, int8_ops: Any,
                       float_activations: bool = False) -> None:
     """Put each decoder product on its GGUF blocks: Int4Parts on the 4-bit kernel (int4_ops: pagecli.native,
-    or None for the PyTorch reference), Q8Parts requantized to per-channel int8 (int8_ops likewise),
+    or None for the PyTorch reference), Q8Parts requantized to pagecli's int8 blocks (int8_ops likewise),
     anything else left on the converted folder's floats. float_activations: as Linear.quantize_int8."""
     for (index, module_name, product_name), parts in products.items():
         linear = getattr(getattr(layers[index], module_name), product_name)

@@ -118,7 +118,7 @@ class Linear(nn.Linear):
             self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
 
     def quantize_int8(self, ops: Any, float_activations: bool = False) -> None:
-        """Replace the weight by int8 and a scale per output channel (pagecli.models.quantize), run by
+        """Replace the weight by int8 and a scale per output channel and 64-block (pagecli.models.quantize), run by
         pagecli.native's PackedLinearInt8 when `ops` is given, else by the PyTorch reference.
         float_activations: the native kernel keeps x float (float32 models) instead of rounding it
         to int8 where the CPU has VNNI."""

@@ -5,8 +5,8 @@ product every native int4 kernel is tested against.
 w[n, k] = q[n, k] * scale[n, g] + min[n, g], g = k // 32, q in [0, 15] (the Q4_1 layout; Q4_0 is
 min = -8 * scale). Quantizing a group: min = its smallest weight and scale = (largest - smallest) / 15,
 both rounded to fp16 first, then q = round((w - min) / scale): every weight within half a step of
-what it stands for (plus the fp16 rounding of min). As for int8, only the decoder layers' Linears are
-quantized; the embedding table and the output layer keep the model's dtype.
+what it stands for (plus the fp16 rounding of min). Only the decoder layers' Linears are 4-bit; the
+output layer goes to int8 and the embedding table keeps the model's dtype (CausalLM.quantize_weights).
 
 On AVX512-VNNI the native kernel rounds the activations to int8 per row and block of 64, as the int8
 product does (int4_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows
