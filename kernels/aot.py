@@ -279,11 +279,16 @@ def _specialization(kernel: Any, args: tuple, kwargs: dict) -> Specialization:
     )
 
 
-def collect(cases: list[Case]) -> dict[Specialization, list[str]]:
-    """The distinct specializations the cases launch, each with the model shapes that launch it."""
+def collect(cases: list[Case], arch: int | None = None) -> dict[Specialization, list[str]]:
+    """The distinct specializations the cases launch on sm_<arch> (tiles may depend on the target), each with
+    the model shapes that launch it."""
+    from pagecli.kernels.common import targeting
+
     found: dict[Specialization, list[str]] = {}
     for case in cases:
-        for spec in launches_of(case):
+        with targeting(arch):
+            launched = launches_of(case)
+        for spec in launched:
             names = found.setdefault(spec, [])
             if case.shape.name not in names:
                 names.append(case.shape.name)
@@ -520,17 +525,20 @@ def main(argv: list[str] | None = None) -> int:
         print("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled; unset it to run this check.",
               file=sys.stderr)
         return 2
-    specs = collect(covering_sample() if args.sample else full_matrix())
+    cases = covering_sample() if args.sample else full_matrix()
+    specs_per_arch = {arch: collect(cases, arch) for arch in archs}  # the launchers pick tiles per target
+    specs = {spec: models for found in specs_per_arch.values() for spec, models in found.items()}
     if args.list:
         _print_list(specs, args.json)
         return 0
-    results = compile_all(specs, archs, max(1, args.jobs))
+    results = [result for arch, found in specs_per_arch.items()
+               for result in compile_all(found, [arch], max(1, args.jobs))]
     totals = summary(results)
     if args.json:
         print(json.dumps({"summary": totals, "results": [asdict(r) for r in results]}, indent=2))
     else:
         print(grouped_table(results) if args.grouped else table(results))
-        print(f"\n{len(specs)} specializations x {len(archs)} targets: {totals['compiled']} compiled, "
+        print(f"\n{len(specs)} distinct specializations over {len(archs)} targets: {totals['compiled']} compiled, "
               f"{totals['failed']} failed, {totals['spilled']} spilled, {totals['over_smem']} over shared memory, "
               f"{totals['low_occupancy']} below {LOW_OCCUPANCY:.0%} occupancy.")
     return 1 if any(r.problems for r in results) else 0

@@ -9,7 +9,10 @@ accumulate in fp32; fp32 caches use the IEEE dot rather than TF32.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -30,6 +33,34 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 def interpreting() -> bool:
     """True when the kernels of this package run in Triton's CPU interpreter."""
     return INTERPRETING
+
+
+_target_arch: int | None = None  # set by kernels.aot while it records launches on meta tensors
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def device_arch(device: torch.device) -> int | None:
+    """The compute capability (90 for sm_90) a launch on this device compiles for; None off CUDA (the
+    interpreter), unless `targeting` names one."""
+    if device.type == "cuda":
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return _target_arch
+
+
+@contextlib.contextmanager
+def targeting(arch: int | None) -> Iterator[None]:
+    """Launches on meta or CPU tensors choose their tiles as on sm_<arch> (kernels.aot records per target)."""
+    global _target_arch
+    previous, _target_arch = _target_arch, arch
+    try:
+        yield
+    finally:
+        _target_arch = previous
 
 
 def kv_format_of(cache: torch.Tensor) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -185,6 +186,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return min(MAX_SPLITS, triton.next_power_of_2(math.ceil(target_programs / programs)))
 
 
+class DecodeTiles(NamedTuple):
+    """A launch's tile: K/V tokens per step (BLOCK_N), warps, pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(head_dim_pad: int, element_bytes: int) -> DecodeTiles:
+    """The tile every launch uses unless one is passed (scripts/gpu_tile_sweep.py times alternatives)."""
+    return DecodeTiles(kv_tile_tokens(head_dim_pad, element_bytes, most=64), num_warps=4, num_stages=2)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [batch, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 scale bytes when int8/uint8)]
@@ -195,6 +209,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim]; allocated when None
+    tiles: DecodeTiles | None = None,  # None: decode_tiles' choice
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its first seq_len cached positions.
 
@@ -223,6 +238,8 @@ def paged_decode_attention(
         stride_split = partial.stride(2)
     kv_format = kv_format_of(k_cache)
     dots_in = dot_dtype(k_cache, query)
+    if tiles is None:
+        tiles = decode_tiles(head_dim_pad, tile_element_bytes(k_cache))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -247,12 +264,12 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=kv_tile_tokens(head_dim_pad, tile_element_bytes(k_cache), most=64),
+        BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
         FP32_DOT=interpreting() or dots_in == torch.float32,
         KV_FORMAT=kv_format,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -10,6 +10,8 @@ rows of its tile, so the K/V tiles it loads serve every head that shares them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,7 @@ import triton.language as tl
 from pagecli.kernels.common import (
     LOG2_E,
     cache_head_dim,
+    device_arch,
     dot_dtype,
     fp32_dot,
     interpreting,
@@ -118,6 +121,34 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+class PrefillTiles(NamedTuple):
+    """A launch's tile: query rows per program (BLOCK_M), K/V tokens per step (BLOCK_N), warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(head_dim_pad: int, dots_in: torch.dtype, kv_format: str, element_bytes: int,
+                  arch: int | None) -> PrefillTiles:
+    """The tile every launch uses unless one is passed (scripts/gpu_tile_sweep.py times alternatives).
+    arch is the target's compute capability (90 for sm_90), None in the interpreter."""
+    row_bytes = head_dim_pad * dots_in.itemsize
+    if arch is not None and arch >= 90 and kv_format == "float" and dots_in.itemsize == 2 and head_dim_pad <= 128:
+        # Hopper, 16-bit K/V up to head size 128: 64 query rows, 4 warps, K and V tiles of 16 KiB each.
+        # Timed on an H100 (docs/GPU.md) against the tile below: 1.84-2.09x faster at head sizes 64 and 128,
+        # with and without a cached prefix; 185 registers, no spill. On sm_80-sm_89 the same tile spills
+        # (255 registers; python -m pagecli.kernels.aot), so they keep the tile below.
+        return PrefillTiles(64, min(128, 16384 // row_bytes), num_warps=4, num_stages=2)
+    # Wide rows (fp32 from head_dim 128, 16-bit at 256) halve the query tile to keep registers unspilled.
+    block_m = 64 if row_bytes <= 256 else 32
+    if kv_format != "float" and dots_in == torch.float32:
+        block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.kernels.aot)
+    # With 4 warps, a 64-row tile needs over 128 registers a thread (sm_80: 19% occupancy, or spills).
+    return PrefillTiles(block_m, kv_tile_tokens(head_dim_pad, element_bytes, most=32), num_warps=8, num_stages=2)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 bytes if int8/uint8)], new K stored
@@ -128,6 +159,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated when None
+    tiles: PrefillTiles | None = None,  # None: prefill_tiles' choice
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -150,12 +182,9 @@ def paged_prefill_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     kv_format = kv_format_of(k_cache)
     dots_in = dot_dtype(k_cache, query)
-    # Wide rows (fp32 from head_dim 128, 16-bit at 256) halve the query tile to keep registers unspilled.
-    row_bytes = head_dim_pad * dots_in.itemsize
-    block_m = 64 if row_bytes <= 256 else 32
-    if kv_format != "float" and dots_in == torch.float32:
-        block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.kernels.aot)
-    block_m = max(block_m, triton.next_power_of_2(group))
+    if tiles is None:
+        tiles = prefill_tiles(head_dim_pad, dots_in, kv_format, tile_element_bytes(k_cache), device_arch(query.device))
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
@@ -181,10 +210,10 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=kv_tile_tokens(head_dim_pad, tile_element_bytes(k_cache), most=32),
+        BLOCK_N=tiles.block_n,
         FP32_DOT=interpreting() or dots_in == torch.float32,
         KV_FORMAT=kv_format,
-        num_warps=8,  # with 4, a 64-row tile needs over 128 registers a thread (sm_80: 19% occupancy, or spills)
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

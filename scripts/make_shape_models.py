@@ -8,10 +8,11 @@ bf16 safetensors, the embedded SmolLM2 tokenizer and chat template) with normal(
 With --llama-cpp, each folder is also converted by llama.cpp's own convert_hf_to_gguf.py to an F16
 GGUF and quantized by its llama-quantize to Q8_0 and Q4_0, for llama-bench and llama-server.
 
-Shapes (the published configs; the 0.5B GQA model keeps SmolLM2's 49,152-token vocabulary, so one
+Shapes (the published configs; smollm2-135m is the embedded model's own shape; the 0.5B GQA model keeps SmolLM2's 49,152-token vocabulary, so one
 tokenizer serves all, which shrinks its embedding from 136M to 44M parameters, and is written as a
 Llama-architecture model without Qwen2's q/k/v biases, since llama.cpp's converter does not take
 SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
+  smollm2-135m   30 layers, hidden 576, 9 heads / 3 kv heads, MLP 1536, tied embeddings: 0.13B
   smollm2-1.7b   24 layers, hidden 2048, 32 heads (no GQA), MLP 8192, tied embeddings: 1.71B
   qwen2.5-0.5b   24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, tied embeddings: 0.40B
 
@@ -31,6 +32,11 @@ import torch
 from safetensors.torch import save_file
 
 SHAPES = {
+    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+                         mlp_bias=False),
     "smollm2-1.7b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048,
                          intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
                          num_key_value_heads=32, head_dim=64, rms_norm_eps=1e-5, rope_theta=130000.0,
@@ -107,12 +113,17 @@ def make_ggufs(folder: Path, llama_cpp: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path.home() / ".cache" / "pagecli-bench" / "models"))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="smollm2-1.7b,qwen2.5-0.5b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--llama-cpp", default=None, help="llama.cpp source tree (with build/bin/llama-quantize)")
+    ap.add_argument("--tokenizer-dir", default=None,
+                    help="folder with SmolLM2's tokenizer.json and chat template (default: the embedded model's)")
     args = ap.parse_args()
-    from pagecli.models.source import prepare_default_model
+    if args.tokenizer_dir:
+        tokenizer_dir = Path(args.tokenizer_dir)
+    else:
+        from pagecli.models.source import prepare_default_model
 
-    tokenizer_dir = prepare_default_model()
+        tokenizer_dir = prepare_default_model()
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"unknown shape '{name}'; choose from {', '.join(SHAPES)}")

@@ -417,6 +417,31 @@ def test_compare_hf_runs_transformers_on_the_same_requests_and_outputs_agree(tmp
     assert "Greedy outputs agree: 3 of 3 identical" in text
 
 
+def test_compare_hf_starts_transformers_after_the_engine_and_its_kv_pool_are_released(
+        tmp_path, tiny_llama, monkeypatch, engines_checked_after_test):
+    """On a GPU the engine's KV pool takes most of the memory: a live engine left transformers none (CUDA out of
+    memory at SmolLM2-1.7B's shape on an H100). So no Engine may be alive when the comparison starts."""
+    import gc
+    import weakref
+
+    from pagecli.bench import compare_hf
+
+    watched = engines_checked_after_test.engines  # conftest holds every engine for its pool check at teardown
+
+    def fake_run(job, timeout_s=None):
+        engines = [weakref.ref(e) for e in watched]
+        watched.clear()  # only this test's weak references remain
+        gc.collect()
+        assert engines and not any(ref() for ref in engines), "the engine is still alive while transformers runs"
+        outputs = {r.request_id: () for r in job.requests}
+        return compare_hf.HFResult(outputs=outputs, ttft_s={}, elapsed_s=1.0, peak_rss_bytes=0, peak_gpu_bytes=None,
+                                   batch_size=job.batch_size, transformers_version="fake")
+
+    monkeypatch.setattr(compare_hf, "run_in_subprocess", fake_run)
+    document, _ = run_json(tmp_path, "mixed", "-m", str(tiny_llama), "--count", "2", "-n", "2", "--compare", "hf")
+    assert document["compare"]["agreement"]["num_requests"] == 2
+
+
 def test_compare_hf_refuses_sampled_decoding(tiny_llama):
     with pytest.raises(PagecliError, match="greedy"):
         CliRunner().invoke(app, ["bench", "run", "mixed", "-m", str(tiny_llama), "--compare", "hf",

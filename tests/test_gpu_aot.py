@@ -79,6 +79,17 @@ def test_matrix_comes_from_the_backends_launches_with_tile_shapes_and_hints():
         assert all(s["constexprs"]["KV_FORMAT"] == kv_format for s in launched)
 
 
+def test_the_matrix_is_recorded_per_target_with_the_tiles_each_target_launches():
+    """16-bit prefill takes a wider K/V tile on sm_90 than on sm_80 (kernels/prefill.py prefill_tiles)."""
+    tiles = {}
+    for arch in (80, 90):
+        run = _aot("--list", "--json", "--arch", str(arch))
+        assert run.returncode == 0, run.stderr[-2000:]
+        tiles[arch] = {(s["constexprs"]["BLOCK_N"], s["num_warps"]) for s in json.loads(run.stdout)
+                       if s["kernel"] == "prefill" and s["dtype"] == "bf16" and s["constexprs"]["HEAD_DIM_PAD"] == 64}
+    assert tiles == {80: {(32, 8)}, 90: {(128, 4)}}
+
+
 def _result(**overrides) -> aot.CompileResult:
     base = aot.CompileResult("decode", "g=4", "bf16", "test", 90, registers=96, smem_bytes=40_000, num_warps=4,
                              occupancy=0.31, occupancy_limited_by="registers")
@@ -96,7 +107,7 @@ def test_checker_passes_a_clean_kernel_and_names_spills_oversized_smem_and_faile
 def test_a_spilled_or_oversized_result_makes_the_command_fail(monkeypatch, capsys):
     fake = [_result(spill_bytes=8), _result(smem_bytes=300_000)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(aot, "collect", lambda cases: {})
+    monkeypatch.setattr(aot, "collect", lambda cases, arch=None: {})
     monkeypatch.setattr(aot, "compile_all", lambda specs, archs, jobs: fake)
     assert aot.main(["--arch", "90"]) == 1
     assert "1 spilled, 1 over shared memory" in capsys.readouterr().out

@@ -275,6 +275,23 @@ def test_prefill_half_precision_cache_matches_reference(dtype):
     assert_close(out, reference(batch), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_with_the_hopper_tile_matches_reference(head_dim):
+    """sm_90 launches 16-bit prefill with 64 rows x up to 128 K/V tokens per step (timed faster on an H100);
+    on CPU, `targeting(90)` makes the launcher choose that tile, so the interpreter checks its arithmetic."""
+    from pagecli.kernels.common import targeting
+    from pagecli.kernels.prefill import prefill_tiles
+
+    hopper = prefill_tiles(head_dim, torch.bfloat16, "float", 2, arch=90)
+    ampere = prefill_tiles(head_dim, torch.bfloat16, "float", 2, arch=80)
+    assert hopper.block_n == 16384 // (head_dim * 2) and hopper != ampere
+    batch = make_batch([150, 3], [350, 140], block_size=16, kv_heads=1, group=2, head_dim=head_dim,
+                       dtype=torch.bfloat16, seed=8)  # several K/V tiles of 128 (or 64) tokens, a partial last one
+    with targeting(90):
+        out = prefill(batch)
+    assert_close(out, reference(batch), torch.bfloat16)
+
+
 # --- Backend ---------------------------------------------------------------------------------
 
 

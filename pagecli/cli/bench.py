@@ -12,7 +12,7 @@ from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 
 if TYPE_CHECKING:
-    from pagecli.bench.compare_hf import Comparison
+    from pagecli.bench.compare_hf import Comparison, HFJob
     from pagecli.bench.summary import RunTrace
     from pagecli.bench.workloads import Workload
     from pagecli.config import SamplingParams
@@ -290,21 +290,15 @@ def run_bench(settings: o.RunSettings, workload: Workload, json_path: str | None
               compare: str | None = None, hf_batch_size: int = _DEFAULT_HF_BATCH, warmup: bool = True,
               progress: bool | None = None) -> None:
     from pagecli.bench.json_output import run_document, write_json
-    from pagecli.bench.run import run_workload
     from pagecli.bench.summary import summarize
-    from pagecli.engine import Engine
-    from pagecli.ui.progress import GenerateProgress, say
+    from pagecli.ui.progress import say
     from pagecli.ui.report import comparison_view, print_view, run_view
 
     say("Loading model ...", style="dim")
-    with Engine(settings.model, settings.engine, progress=lambda message: say(message, style="dim")) as engine:
-        label = engine.model_name
-        with GenerateProgress(len(workload.requests), progress) as bar:
-            trace = run_workload(engine, workload, label, warmup=warmup, on_progress=bar.update)
-        for warning in engine.take_warnings():
-            say(warning, style="yellow")
-        summary = summarize(trace)
-        comparison = _compare_hf(engine, workload, trace, hf_batch_size) if compare else None
+    label, trace, hf_job = _run_on_engine(settings, workload, warmup, progress, hf_batch_size if compare else None)
+    summary = summarize(trace)
+    # The engine is gone by now: transformers gets the memory its KV pool held (on a GPU, most of it).
+    comparison = _compare_hf(hf_job, trace) if hf_job is not None else None
     after = trace.after
     timeline = {state: [getattr(s.stats, f"blocks_{state}") for s in trace.samples]
                 for state in ("active", "cached", "free", "shared")}
@@ -323,12 +317,37 @@ def run_bench(settings: o.RunSettings, workload: Workload, json_path: str | None
         say(f"Plot written to {plot}", style="dim")
 
 
-def _compare_hf(engine: Engine, workload: Workload, trace: RunTrace, batch_size: int) -> Comparison:
-    from pagecli.bench.compare_hf import HFJob, HFRequest, comparison, run_in_subprocess
-    from pagecli.ui.progress import say
+def _run_on_engine(settings: o.RunSettings, workload: Workload, warmup: bool, progress: bool | None,
+                   hf_batch_size: int | None) -> tuple[str, RunTrace, HFJob | None]:
+    """Runs the workload; with hf_batch_size, also describes the same requests for transformers. The engine,
+    its weights and its KV pool are released before this returns (gc, and the CUDA cache when one is in use)."""
+    import gc
+
+    import torch
+
+    from pagecli.bench.run import run_workload
+    from pagecli.engine import Engine
+    from pagecli.ui.progress import GenerateProgress, say
+
+    with Engine(settings.model, settings.engine, progress=lambda message: say(message, style="dim")) as engine:
+        label = engine.model_name
+        with GenerateProgress(len(workload.requests), progress) as bar:
+            trace = run_workload(engine, workload, label, warmup=warmup, on_progress=bar.update)
+        for warning in engine.take_warnings():
+            say(warning, style="yellow")
+        job = _hf_job(engine, workload, trace, hf_batch_size) if hf_batch_size is not None else None
+    del engine
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return label, trace, job
+
+
+def _hf_job(engine: Engine, workload: Workload, trace: RunTrace, batch_size: int) -> HFJob:
+    from pagecli.bench.compare_hf import HFJob, HFRequest
 
     sampling = {r.request_id: r.sampling for r in workload.requests}
-    job = HFJob(
+    return HFJob(
         model_folder=str(engine.loaded.folder), dtype=str(engine.loaded.dtype).removeprefix("torch."),
         device=str(engine.loaded.device),
         threads=engine.config.threads, batch_size=batch_size, stop_token_ids=tuple(sorted(engine.stop_token_ids)),
@@ -338,6 +357,12 @@ def _compare_hf(engine: Engine, workload: Workload, trace: RunTrace, batch_size:
             for out in trace.outcomes
         ),
     )
+
+
+def _compare_hf(job: HFJob, trace: RunTrace) -> Comparison:
+    from pagecli.bench.compare_hf import comparison, run_in_subprocess
+    from pagecli.ui.progress import say
+
     say(f"Running the same {len(job.requests)} requests through transformers generate ...", style="dim")
     hf = run_in_subprocess(job)
     return comparison({out.request_id: out.output_token_ids for out in trace.outcomes}, hf)
