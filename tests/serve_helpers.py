@@ -19,7 +19,7 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.request_log import RequestLog
-from pagecli.serve.server import ServeOptions, build_state, listen_socket
+from pagecli.serve.server import ServeOptions, build_state, listen_socket, load_on_engine_thread
 
 API_KEY = "sk-test-key"
 
@@ -59,11 +59,12 @@ class RunningServer:
 @contextmanager
 def running_server(model_dir: Any, api_key: str | None = None, max_pending: int = 256,
                    sampling: SamplingParams | None = None, **engine_overrides: Any) -> Iterator[RunningServer]:
-    engine = Engine(str(model_dir), engine_config(**engine_overrides))
+    # As `pagecli serve` does: built on the thread that will step it.
+    home, engine = load_on_engine_thread(lambda: Engine(str(model_dir), engine_config(**engine_overrides)))
     lines: list[str] = []
     settings = Settings(str(model_dir), sampling or SamplingParams(temperature=0, max_tokens=8))
     options = ServeOptions(port=0, api_key=api_key, max_pending=max_pending, grace_s=2)
-    state = build_state(engine, settings, options, RequestLog(sink=lines.append))
+    state = build_state(engine, settings, options, RequestLog(sink=lines.append), home=home)
     try:
         with serving(state, grace_s=2) as base_url:
             yield RunningServer(base_url, state, engine, lines)

@@ -137,3 +137,30 @@ def test_a_system_prompt_served_by_one_server_is_a_disk_hit_for_the_next(tiny_ll
 def test_serve_refuses_a_command_line_n_since_n_is_per_request(tiny_llama, capsys):
     assert main(["serve", str(tiny_llama), "--n", "2", "--port", "0", "--no-screen"]) == 2
     assert "takes n per request" in capsys.readouterr().err
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread(tiny_llama, monkeypatch):
+    """libgomp gives each thread that opens a parallel region its own OpenMP team; with two teams on a
+    machine of few cores every barrier sleeps (35,000 context switches in a 64-request run, steps 15-20%
+    slower). So the server builds its engine on the thread that steps it, not on the main thread."""
+    from pagecli.engine import Engine
+
+    threads: dict[str, set[int]] = {"built": set(), "stepped": set()}
+    real_init, real_step = Engine.__init__, Engine.step
+
+    def recording_init(self, *args, **kwargs):
+        threads["built"].add(threading.get_ident())
+        real_init(self, *args, **kwargs)
+
+    def recording_step(self):
+        threads["stepped"].add(threading.get_ident())
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    monkeypatch.setattr(Engine, "step", recording_step)
+    with running_server(tiny_llama) as server:
+        reply = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").completions.create(
+            model=server.model_id, prompt="The fox", max_tokens=3)
+    assert reply.choices[0].text
+    assert len(threads["built"]) == 1 and threads["stepped"] == threads["built"]
+    assert threading.get_ident() not in threads["built"]

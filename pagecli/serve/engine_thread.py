@@ -15,7 +15,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from pagecli.engine.engine import RequestEvent
 from pagecli.engine.stats import EngineStats
@@ -31,11 +32,54 @@ _SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
 
 
 
+T = TypeVar("T")
+
+
+class EngineHome:
+    """The one OS thread that builds the Engine (`call`) and then runs its loop (`hand_over`).
+
+    libgomp gives every thread that opens a parallel region a team of its own, and once a process holds
+    more OpenMP threads than cores, all of them sleep at their barriers instead of spinning (libgomp's
+    throttled GOMP_SPINCOUNT). An engine loaded on the main thread and stepped on another therefore woke
+    and slept its threads at every parallel region: 35,000 voluntary context switches in a 64-request run
+    against 36, and decode steps 15-20% slower (docs/benchmarks/serve.md). One thread for both keeps
+    one team."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="pagecli-engine", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn's result, computed on this thread (its exception raised here)."""
+        future: Future[T] = Future()
+
+        def task() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+                future.set_exception(exc)
+
+        self._calls.put(task)
+        return future.result()
+
+    def hand_over(self, fn: Callable[[], None]) -> None:
+        """Run fn on this thread as its last work: the thread ends when fn returns."""
+        self._calls.put(fn)
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (task := self._calls.get()) is not None:
+            task()
+
+
 class EngineThread:
-    """Owns the Engine from start() to stop(); HTTP handlers call submit() and cancel() only."""
+    """Owns the Engine from start() to stop(); HTTP handlers call submit() and cancel() only. The loop runs
+    on `home`, the thread that built the engine (EngineHome says why); without one, on a thread of its own."""
 
     def __init__(self, engine: Any, max_pending: int, observers: Sequence[JobObserver] = (),
-                 block_states: bool = False, on_warning: Callable[[str], None] | None = None) -> None:
+                 block_states: bool = False, on_warning: Callable[[str], None] | None = None,
+                 home: EngineHome | None = None) -> None:
         self.engine = engine
         self.on_warning = on_warning  # the engine's warnings (a corrupt store entry, ...) as they happen
         self.max_pending = max_pending
@@ -49,11 +93,14 @@ class EngineThread:
         self._lock = threading.Lock()
         self._accepting = True
         self._last_stats_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="pagecli-engine", daemon=True)
+        self._home = home or EngineHome()
+        self._thread = self._home.thread
+        self._started = False
 
     # --- called from HTTP handlers -----------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._started = True
+        self._home.hand_over(self._run)
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError: 429 when the queue is full, 503 while shutting down."""
@@ -89,7 +136,7 @@ class EngineThread:
     def stop(self, grace_s: float) -> None:
         """Refuse new jobs, let running ones finish for up to grace_s, cancel the rest, end the thread."""
         self.stop_accepting()
-        if not self._thread.is_alive():
+        if not self._started or not self._thread.is_alive():
             return
         deadline = time.monotonic() + grace_s
         while self._pending and time.monotonic() < deadline and self._thread.is_alive():

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from pagecli.errors import PagecliError
 from pagecli.models.reasoning import prompt_opens_thinking
 from pagecli.models.tool_calls import tool_format_of
 from pagecli.serve.app import ServeState, create_app
-from pagecli.serve.engine_thread import EngineThread
+from pagecli.serve.engine_thread import EngineHome, EngineThread
 from pagecli.serve.metrics import ServerMetrics
 from pagecli.serve.request_log import RequestLog
 from pagecli.ui.progress import load_summary, say
@@ -79,12 +79,13 @@ def model_ids(engine: Any) -> tuple[str, ...]:
 
 
 def build_state(engine: Any, settings: Any, options: ServeOptions, request_log: RequestLog,
-                block_states: bool = False) -> ServeState:
-    """The engine thread (not started), metrics and everything the routes need."""
+                block_states: bool = False, home: EngineHome | None = None) -> ServeState:
+    """The engine thread (not started; on `home`, the thread that built the engine, when given), metrics
+    and everything the routes need."""
     thread: EngineThread | None = None
     metrics = ServerMetrics(lambda: thread.snapshot)  # type: ignore[union-attr]
     thread = EngineThread(engine, options.max_pending, [metrics], block_states=block_states,
-                          on_warning=request_log.note)
+                          on_warning=request_log.note, home=home)
     template = getattr(engine, "chat_template", None)
     return ServeState(thread, model_ids(engine), options.api_key, settings.sampling, metrics,
                       request_log, int(time.time()), reasoning=options.reasoning_format == "separate",
@@ -111,11 +112,13 @@ def run_server(settings: Any, options: ServeOptions) -> int:
             "the model.", style="yellow")
     sock = listen_socket(options.host, options.port)
     say("Loading model ...", style="dim")
-    engine = Engine(settings.model, settings.engine, progress=lambda msg: say(msg, style="dim"))
+    home, engine = load_on_engine_thread(lambda: Engine(settings.model, settings.engine,
+                                                        progress=lambda msg: say(msg, style="dim")))
     say(load_summary(engine.stats()), style="dim")
     use_screen = sys.stdout.isatty() if options.screen is None else options.screen
     screen = _screen(use_screen)
-    state = build_state(engine, settings, options, RequestLog(sink=screen.add_line if screen else None), use_screen)
+    state = build_state(engine, settings, options, RequestLog(sink=screen.add_line if screen else None), use_screen,
+                        home=home)
     if screen is not None:
         screen.attach(state.engine_thread)
     try:
@@ -125,6 +128,12 @@ def run_server(settings: Any, options: ServeOptions) -> int:
         for warning in engine.take_warnings():
             say(f"Warning: {warning}", style="yellow")
     return 0
+
+
+def load_on_engine_thread(build: Callable[[], Any]) -> tuple[EngineHome, Any]:
+    """The engine, built on the thread that will step it (EngineHome: one OpenMP team, not two)."""
+    home = EngineHome()
+    return home, home.call(build)
 
 
 def _screen(enabled: bool) -> Any:
