@@ -146,7 +146,10 @@ def prefill_tiles(head_dim_pad: int, dots_in: torch.dtype, kv_format: str, eleme
     if kv_format != "float" and dots_in == torch.float32:
         block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.kernels.aot)
     # With 4 warps, a 64-row tile needs over 128 registers a thread (sm_80: 19% occupancy, or spills).
-    return PrefillTiles(block_m, kv_tile_tokens(head_dim_pad, element_bytes, most=32), num_warps=8, num_stages=2)
+    num_warps = 8
+    if kv_format != "float" and dots_in != torch.float32 and head_dim_pad >= 256:
+        num_warps = 4  # 16-bit dots over a quantized cache at head size 256 spill 24 B at 8 warps on sm_86/89
+    return PrefillTiles(block_m, kv_tile_tokens(head_dim_pad, element_bytes, most=32), num_warps, num_stages=2)
 
 
 def paged_prefill_attention(
