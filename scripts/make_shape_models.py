@@ -8,8 +8,8 @@ bf16 safetensors, the embedded SmolLM2 tokenizer and chat template) with normal(
 With --llama-cpp, each folder is also converted by llama.cpp's own convert_hf_to_gguf.py to an F16
 GGUF and quantized by its llama-quantize to Q8_0 and Q4_0, for llama-bench and llama-server.
 
-Shapes (the published configs; smollm2-135m is the embedded model's own shape; the 0.5B GQA model keeps SmolLM2's 49,152-token vocabulary, so one
-tokenizer serves all, which shrinks its embedding from 136M to 44M parameters, and is written as a
+Shapes (the published configs; smollm2-135m is the embedded model's own shape; the 0.5B GQA model
+keeps SmolLM2's 49,152-token vocabulary, so one tokenizer serves all, which shrinks its embedding from 136M to 44M parameters, and is written as a
 Llama-architecture model without Qwen2's q/k/v biases, since llama.cpp's converter does not take
 SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
   smollm2-135m   30 layers, hidden 576, 9 heads / 3 kv heads, MLP 1536, tied embeddings: 0.13B

@@ -18,8 +18,8 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import (Int8Reference, check_quantize_device, keeps_float_activations, native_takes,
-                                     quantize_int8)
+from pagecli.models.quantize import (Int8Reference, check_quantize_device, int8_product, keeps_float_activations,
+                                     native_takes)
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
@@ -142,12 +142,7 @@ class CausalLM(nn.Module):
             self.lm_head.quantize_int8(ops, float_activations)
             self.output_packed = self.lm_head.packed
             return
-        q, scale = quantize_int8(self.model.embed_tokens.weight)
-        if ops is not None:
-            self.output_packed = ops.PackedLinearInt8(q, scale, None, float_activations=float_activations)
-            q, scale = self.output_packed.weights, self.output_packed.scales
-        else:
-            self.output_packed = Int8Reference(q, scale, None)
+        self.output_packed, q, scale = int8_product(self.model.embed_tokens.weight, None, ops, float_activations)
         self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
         self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
 

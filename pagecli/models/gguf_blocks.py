@@ -161,7 +161,8 @@ def describe_path(gguf_path: Path) -> str:
     parts = []
     if as_is:
         kinds = ", ".join(f"{t} x{n}" for t, n in sorted(as_is.items()))
-        parts.append(f"--quantize gguf runs {kinds} as they are" + (" (Q8_0 requantized per channel)" if "Q8_0" in as_is else ""))
+        requantized = " (Q8_0 requantized to pagecli's int8 blocks of 64)" if "Q8_0" in as_is else ""
+        parts.append(f"--quantize gguf runs {kinds} as they are{requantized}")
     if floats:
         parts.append("dequantized to float: " + ", ".join(f"{t} x{n}" for t, n in sorted(floats.items())))
     return "; ".join(parts) or "no decoder matrices"

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pagecli.models.quantize import Int8Reference, quantize_int8
+from pagecli.models.quantize import int8_product
 from pagecli.models.quantize_int4 import Int4Reference, quantize_int4
 from pagecli.models.spec import rope_parameters, rope_type_of
 
@@ -124,13 +124,11 @@ class Linear(nn.Linear):
         to int8 where the CPU has VNNI."""
         if self.packed is not None:
             return
-        q, scale = quantize_int8(self.weight)
         bias = None if self.bias is None else self.bias.detach()
-        self.packed = (ops.PackedLinearInt8(q, scale, bias, float_activations=float_activations) if ops is not None
-                       else Int8Reference(q, scale, bias))
+        self.packed, q, scale = int8_product(self.weight, bias, ops, float_activations)
         self.weight = None
-        self.packed_weight = nn.Parameter(self.packed.weights if ops is not None else q, requires_grad=False)
-        self.weight_scale = nn.Parameter(self.packed.scales if ops is not None else scale, requires_grad=False)
+        self.packed_weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def quantize_int4(self, ops: Any, float_activations: bool = False) -> None:
         """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's

@@ -26,6 +26,8 @@ batched, SmolLM2-135M on Zen 4, 2026-11-25) and only saves memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagecli.errors import PagecliError
@@ -70,6 +72,18 @@ class Int8Reference:
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+
+def int8_product(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any,
+                 float_activations: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """weight quantized (quantize_int8) and the product that runs it: pagecli.native's PackedLinearInt8
+    when ops is given (float_activations as there), else Int8Reference; with the int8 weights and scales
+    the product reads, for the owning module to keep as parameters (so they count as the model's bytes)."""
+    q, scale = quantize_int8(weight)
+    if ops is None:
+        return Int8Reference(q, scale, bias), q, scale
+    product = ops.PackedLinearInt8(q, scale, bias, float_activations=float_activations)
+    return product, product.weights, product.scales
 
 
 ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in blocks of this many k (= WEIGHT_BLOCK)
