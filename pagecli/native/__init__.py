@@ -11,6 +11,11 @@ PAGECLI_NATIVE=0 or PAGECLI_CPU_ISA=torch, or a failed build. Callers then take 
 path, which gives the same results more slowly; `unavailable_reason()` says why, for a one-line
 warning. `cpu_ops_for(level)` loads another level's build beside it (tests run every level).
 
+Threads: every product and attention kernel shares out its parallel region through work_share.h:
+each thread first takes its own share, in order, as a static split would, then the units another
+thread has not begun. A thread the OS holds off its core (on 2 cores: a server's clients, any other
+process) no longer keeps the other waiting for its share; results stay bit-identical.
+
 The build goes to `paths.native_dir()/<key>/` (the user cache), keyed by the sources, the torch version and
 the CPU's instruction-set flags (the code is compiled for the machine it runs on). A file lock
 keeps two processes from building at once; the second one loads what the first built. A finished
@@ -48,10 +53,12 @@ _SOURCES = tuple(_HERE / name for name in (
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
+    "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
 ))
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
     "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
+    "work_share.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

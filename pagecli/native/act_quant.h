@@ -9,6 +9,7 @@
 
 #include "gemm_bf16.h"
 #include "simd.h"
+#include "work_share.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -141,8 +142,8 @@ at::Tensor run_vnni_product(const at::Tensor& x, int64_t N, const Product& produ
   const ProductUnits units = product_units(num_panels, M, kVnniTileRows, Kp);
   PAGECLI_DISPATCH(x.scalar_type(), "vnni_product", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, units.count(), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
+    parallel_shared(units.count(), [&](SharedWork::Cursor& cursor) {
+      for (int64_t u; (u = cursor.next()) >= 0;) {
         const int64_t panel = units.panel(u);
         for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
           const int64_t m0 = rb * kVnniTileRows;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "simd.h"
+#include "work_share.h"
 
 #include <ATen/Parallel.h>
 
@@ -239,18 +240,14 @@ inline std::vector<int64_t> balanced_runs(const std::vector<int64_t>& costs, int
   return bounds;
 }
 
-// at::parallel_for over items [0, costs.size()), but each thread's range is chosen by cost, not by
-// count: sequences and prompts of unequal lengths would leave one thread waiting on the other.
-// fn(begin, end) runs once per non-empty range.
+// parallel_shared (work_share.h) over items [0, costs.size()), each thread's own share chosen by
+// cost, not by count: sequences and prompts of unequal lengths would leave one thread waiting on the
+// other. fn(cursor) runs once per thread and takes items with cursor.next() until it returns -1.
 template <typename Fn>
 void parallel_for_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
+  if (costs.empty()) return;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), costs.size()));
-  const std::vector<int64_t> bounds = balanced_runs(costs, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (bounds[r] < bounds[r + 1]) fn(bounds[r], bounds[r + 1]);
-    }
-  });
+  parallel_shared(balanced_runs(costs, parts), fn);
 }
 
 // Where a step's sequences split into groups that share a prefix: before sequence s when it does
@@ -374,7 +371,7 @@ struct DecodeTasks {
     const int64_t run = task / head_tasks;
     return {task % head_tasks * heads_per_task, run_bounds[run], run_bounds[run + 1], run_shared[run]};
   }
-  // fn(begin, end) over ranges of task numbers, one per thread.
+  // fn(cursor) once per thread, taking task numbers with cursor.next() (parallel_for_by_cost).
   template <typename Fn>
   void run_for_each(const Fn& fn) const { parallel_for_by_cost(costs, fn); }
 };

@@ -9,6 +9,7 @@
 #include "quant_int4.h"
 #include "quant_int8.h"
 #include "simd.h"
+#include "work_share.h"
 
 #include <memory>
 
@@ -67,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("out_features", &pagecli::PackedLinearInt4::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt4::in_features);
   m.def("int4_linear_kind", &pagecli::int4_linear_kind, "Which int4 kernel this build runs: avx512_vnni, avx2 or ''");
+  m.def("shared_work_takers", &pagecli::shared_work_takers,
+        "Which thread's share took each unit when the owner of one share starts late (tests of work_share.h)");
   m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_vnni, avx2 or ''");
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");

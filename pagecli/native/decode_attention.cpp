@@ -46,14 +46,14 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, CHUNKS > 0 ? 16 : 0,
                           at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
-  tasks.run_for_each([&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     std::vector<float> q_buf;
     TaskScratch scratch;
     int64_t tile_slots[16];
     const scalar_t* tile_rows[16];
     alignas(64) float tile_buf[16 * 16 * (CHUNKS > 0 ? CHUNKS : 1)];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = cursor.next()) >= 0;) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);
@@ -195,7 +195,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;
   constexpr int64_t kPrefetchTokens = 64;  // how far ahead of its tile load a K or V row is fetched
-  tasks.run_for_each([&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     load_tile_config();  // 0-3: P V sums (K rows while scoring), 4: A, 5 and 7: B (6 and 7 for P V), 6: scores
     std::vector<uint32_t> shared_v;                       // [task heads][shared / 32][dim_blocks][16 token pairs][16 dims]
     std::vector<uint32_t> v_step(dim_blocks * 256);       // one 32-token step of V, same layout
@@ -207,7 +207,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
     std::vector<float> batch_acc(32 * dim, 0.f);          // P V sums over the shared prefix: [16 + 16][dim]
     std::vector<float> acc(16 * 16 * dim);                // [sequence of the batch][16 rows][dim]
     alignas(64) float tile[16 * 16];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = cursor.next()) >= 0;) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       if (shared > 0) {
         shared_v.resize(tasks.heads_per_task * shared / 32 * dim_blocks * 256);

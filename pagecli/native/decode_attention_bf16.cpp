@@ -201,7 +201,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
 
   const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
-  tasks.run_for_each([&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     TaskScratch scratch;
     int64_t tile_slots[16];
@@ -210,7 +210,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
     alignas(64) float row_scales[16];  // and each row's scale, where rows have one
     typename Cache::template Queries<CHUNKS> queries;
     std::vector<__m512i> packed(16 * CHUNKS);  // a shared tile, packed: pack_k_tile's or pack_v_tile's layout
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = cursor.next()) >= 0;) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       scratch.reset(lens + s_begin, seqs, width, D);

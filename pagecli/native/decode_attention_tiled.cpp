@@ -38,7 +38,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
 
   const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
-  tasks.run_for_each([&](int64_t begin, int64_t end) {
+  tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
     std::vector<float> q_buf;
     TaskScratch scratch;
@@ -47,7 +47,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
     const float* widened[16];  // the tile's rows as fp32: in tile, or (float32) in the cache
     int64_t tile_slots[16];
     float tile_scales[16], weights[16];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = cursor.next()) >= 0;) {
       const auto [h0, s_begin, s_end, shared] = tasks.at(task);
       const int64_t seqs = s_end - s_begin;
       q_buf.resize(seqs * width * head_dim);

@@ -24,6 +24,7 @@
 // tile height that served it or the thread count; so a row's result never depends on its batch.
 
 #include "gemm_bf16.h"
+#include "work_share.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -175,13 +176,20 @@ at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const 
   const int64_t row_blocks = ceil_div(M, kTileRows);
   const RowGroups split = split_row_blocks(num_panels, row_blocks);
   const int64_t row_groups = split.count, blocks_per_group = split.blocks_per_group;
-  // Work unit u: panel u / row_groups, row group u % row_groups; a thread's units are consecutive,
-  // so its panels are one run of the weights, read in order.
-  at::parallel_for(0, num_panels * row_groups, 1, [&](int64_t begin, int64_t end) {
-    const char* run_begin = wp + begin / row_groups * panel_bytes;
-    const char* run_end = wp + ((end - 1) / row_groups + 1) * panel_bytes;
-    WeightStream stream{std::min(run_end, run_begin + kAheadBytes), run_end};
-    for (int64_t u = begin; u < end; ++u) {
+  // Work unit u: panel u / row_groups, row group u % row_groups; a thread's own units are
+  // consecutive, so its panels are one run of the weights, read in order (work_share.h: a thread
+  // done early takes units another has not begun, and starts a stream over that run).
+  const int64_t units = num_panels * row_groups;
+  parallel_shared(units, [&](SharedWork::Cursor& cursor) {
+    WeightStream stream{nullptr, nullptr};
+    int64_t stream_part = -1;
+    for (int64_t u; (u = cursor.next()) >= 0;) {
+      if (cursor.part() != stream_part) {
+        stream_part = cursor.part();
+        const char* run_begin = wp + u / row_groups * panel_bytes;
+        const char* run_end = wp + ((cursor.end_of_part() - 1) / row_groups + 1) * panel_bytes;
+        stream = WeightStream{std::min(run_end, run_begin + kAheadBytes), run_end};
+      }
       const int64_t panel = u / row_groups, group = u % row_groups;
       Tile t;
       t.x_stride = K;

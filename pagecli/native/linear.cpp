@@ -4,6 +4,7 @@
 
 #include "cpu_ops.h"
 #include "simd.h"
+#include "work_share.h"
 
 #include <algorithm>
 
@@ -99,10 +100,16 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
       }
     }
   };
-  at::parallel_for(0, (N + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    // This thread's weight rows, [begin * R, end * R), lie in one contiguous run.
-    StreamPrefetch ahead(wp + begin * R * K, wp + std::min(end * R, N) * K);
-    for (int64_t tile = begin; tile < end; ++tile) {
+  parallel_shared((N + R - 1) / R, [&](SharedWork::Cursor& cursor) {
+    // A thread's own weight rows lie in one contiguous run (work_share.h: a thread done early takes
+    // tiles of another's run, and prefetches from there on).
+    StreamPrefetch ahead(wp, wp);
+    int64_t ahead_part = -1;
+    for (int64_t tile; (tile = cursor.next()) >= 0;) {
+      if (cursor.part() != ahead_part) {
+        ahead_part = cursor.part();
+        ahead = StreamPrefetch(wp + tile * R * K, wp + std::min(cursor.end_of_part() * R, N) * K);
+      }
       const int64_t n0 = tile * R;
       const int64_t rows = std::min<int64_t>(R, N - n0);
       if (M > 2) {
@@ -124,7 +131,7 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
         for (int64_t r = 0; r < rows; ++r) store(m, n0 + r, _mm512_reduce_add_ps(acc[r]));
       }
     }
-  });
+  }, 16);
   return y;
 #else
   TORCH_CHECK(false, "linear_bf16_rows needs AVX512-BF16, which this build lacks");
@@ -171,10 +178,10 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, const torch::Tensor& w, const c10
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const char* w_end = reinterpret_cast<const char*>(wp + N * K);
   constexpr int64_t kAhead = 4;  // k steps between a weight line's prefetch and its tile load
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  parallel_shared(N / 16, [&](SharedWork::Cursor& cursor) {
     load_tile_config();
     alignas(64) float out[16 * 16];  // [16 weight rows, 16 rows of x]
-    for (int64_t block = begin; block < end; ++block) {
+    for (int64_t block; (block = cursor.next()) >= 0;) {
       const int64_t n0 = block * 16;
       const c10::BFloat16* a = wp + n0 * K;
       for (int64_t mb0 = 0; mb0 < m_blocks; mb0 += 4) {

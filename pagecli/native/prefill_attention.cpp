@@ -11,9 +11,9 @@ namespace pagecli {
 // thread's tile registers configured for the AMX kernels.
 template <typename Work>
 void parallel_by_cost_with_tiles(const std::vector<int64_t>& costs, const Work& work) {
-  parallel_for_by_cost(costs, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(costs, [&](SharedWork::Cursor& cursor) {
     load_tile_config();
-    for (int64_t i = begin; i < end; ++i) work(i);
+    for (int64_t i; (i = cursor.next()) >= 0;) work(i);
     _tile_release();
   });
 }

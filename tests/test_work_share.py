@@ -1,0 +1,53 @@
+"""How the CPU kernels share a parallel region's work (pagecli/native/work_share.h): each unit is
+computed once, and a thread that starts late (held off its core by another process) finds its
+units taken by the threads that were on time, instead of keeping them waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from pagecli import native
+from pagecli.native import isa
+
+if not native.enabled():
+    pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
+
+COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
+
+
+@pytest.fixture(scope="module", params=COMPILED_LEVELS)
+def ops(request):
+    return native.cpu_ops_for(request.param)
+
+
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        if torch.get_num_threads() != count:
+            pytest.skip(f"this build of torch does not run {count} threads")
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("units", "count"), [(1, 2), (7, 2), (64, 2), (100, 3)])
+def test_every_unit_is_taken_exactly_once(ops, units, count):
+    with threads(count):
+        takers = ops.shared_work_takers(units, -1, 0)
+    assert len(takers) == units
+    assert all(0 <= t < count for t in takers), takers  # -1: never taken, -2: taken twice
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_late_thread_finds_its_share_taken_by_the_thread_on_time(ops, late):
+    with threads(2):
+        takers = ops.shared_work_takers(64, late, 300)
+    # Shares are units 0-31 and 32-63; the late owner sleeps 300 ms before it looks for work, long
+    # after the other thread has been through its own 32 units and every unit of the late share.
+    assert takers == [1 - late] * 64
