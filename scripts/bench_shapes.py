@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_shapes.py --model DIR --llama-cpp BUILD_BIN [--ggufs F16,Q8_0,Q4_0]
         [--reps 3] [--threads 2] [--only pp512,tg128,batch] [--quantize none,int8,int4,gguf,gguf@float32]
+        [--kv-dtype auto] [--llama-extra="-fa on -ub 512"]
 
 DIR is a folder made by scripts/make_shape_models.py (random weights of a real shape), with its
 GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the
@@ -12,7 +13,8 @@ contenders alternating within every repetition; medians with the range:
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
 ending in @float32 loads the model in float32, whose quantized products keep float activations);
-llama.cpp with -t THREADS.
+llama.cpp with -t THREADS and --llama-extra's flags (both tools: `-fa`, `-ub`, `-ctk`/`-ctv`, ...);
+--kv-dtype sets pagecli's cache dtype for every pagecli run.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ CHILD = r"""
 import json, sys, time, torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-task, model, threads, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+task, model, threads, quantize, kv_dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 quantize, _, dtype = quantize.partition("@")
 torch.set_num_threads(threads)
 engine = Engine(model, EngineConfig(dtype=dtype or "bfloat16", disk_cache=False, max_num_batched_tokens=4096,
-                                    kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize))
+                                    kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize,
+                                    kv_dtype=kv_dtype))
 gen = torch.Generator().manual_seed(0)
 def ids(n):
     return torch.randint(100, 40000, (n,), generator=gen).tolist()
@@ -62,16 +65,16 @@ print(json.dumps({"rate": rate}))
 """
 
 
-def pagecli_rate(task: str, model: str, threads: int, quantize: str) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize], capture_output=True,
-                         text=True, check=True)
+def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize, kv_dtype],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
 
 
-def llama_rate(task: str, gguf: str, bin_dir: str, threads: int) -> float:
+def llama_rate(task: str, gguf: str, bin_dir: str, threads: int, extra: list[str]) -> float:
     if task == "batch":
         out = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", "8192", "-b", "2048",
-                              "-ub", "512", "-npp", "256", "-ntg", "64", "-npl", "16", "-t", str(threads)],
+                              "-ub", "512", "-npp", "256", "-ntg", "64", "-npl", "16", "-t", str(threads), *extra],
                              capture_output=True, text=True, check=True)
         row = [line for line in out.stdout.splitlines() if re.match(r"\|\s+256 \|", line)][-1]
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -80,7 +83,7 @@ def llama_rate(task: str, gguf: str, bin_dir: str, threads: int) -> float:
         return new_tokens / total_s if total_s else total_tokens_s
     flag = ["-p", "512", "-n", "0"] if task == "pp512" else ["-p", "0", "-n", "128"]
     out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", "1", "-o", "json",
-                          *flag], capture_output=True, text=True, check=True)
+                          *flag, *extra], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -94,13 +97,16 @@ def main() -> None:
     ap.add_argument("--only", default="pp512,tg128,batch")
     ap.add_argument("--quantize", default="none",
                     help="pagecli's weight formats to run, e.g. none,int8 (FORMAT@float32: a float32 model)")
+    ap.add_argument("--kv-dtype", default="auto", help="pagecli's KV cache dtype (auto, int8, fp8, ...)")
+    ap.add_argument("--llama-extra", default="", help="more flags for llama-bench and llama-batched-bench")
     args = ap.parse_args()
+    extra = args.llama_extra.split()
     model = args.model.rstrip("/")
-    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q))
+    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q, args.kv_dtype))
                   for q in args.quantize.split(",")}
     for kind in args.ggufs.split(","):
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,
-                                                                                              args.threads))
+                                                                                              args.threads, extra))
     results: dict[tuple[str, str], list[float]] = {}
     for task in args.only.split(","):
         for rep in range(args.reps):
