@@ -12,7 +12,8 @@ contenders alternating within every repetition; medians with the range:
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
-ending in @float32 loads the model in float32, whose quantized products keep float activations);
+ending in @float32 loads the model in float32, whose quantized products keep float activations;
+`gguf` loads the first of --ggufs, DIR.<KIND>.gguf, and runs its blocks as they lie);
 llama.cpp with -t THREADS and --llama-extra's flags (both tools: `-fa`, `-ub`, `-ctk`/`-ctv`, ...);
 --kv-dtype sets pagecli's cache dtype for every pagecli run.
 """
@@ -102,7 +103,11 @@ def main() -> None:
     args = ap.parse_args()
     extra = args.llama_extra.split()
     model = args.model.rstrip("/")
-    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}": (lambda task, q=q: pagecli_rate(task, model, args.threads, q, args.kv_dtype))
+    # `gguf` runs a .gguf file's own blocks: the first of --ggufs beside the model folder.
+    gguf_model = f"{model}.{args.ggufs.split(',')[0]}.gguf"
+    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}":
+                  (lambda task, q=q: pagecli_rate(task, gguf_model if q.startswith("gguf") else model, args.threads, q,
+                                                  args.kv_dtype))
                   for q in args.quantize.split(",")}
     for kind in args.ggufs.split(","):
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,
