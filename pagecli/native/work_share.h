@@ -33,7 +33,6 @@ class SharedWork {
   }
 
   int64_t parts() const { return parts_; }
-  int64_t end_of(int64_t part) const { return bounds_[part + 1]; }
 
   // One thread's walk over the units: its own share first, then the others' in turn, each unit
   // handed out once over all threads.
@@ -76,7 +75,7 @@ class SharedWork {
 // The split at::parallel_for makes of [0, units) over `parts` threads: equal runs of consecutive units.
 inline std::vector<int64_t> even_bounds(int64_t units, int64_t parts) {
   parts = std::max<int64_t>(1, std::min(parts, units));
-  const int64_t chunk = (units + parts - 1) / std::max<int64_t>(1, parts);
+  const int64_t chunk = (units + parts - 1) / parts;
   std::vector<int64_t> bounds(parts + 1);
   for (int64_t r = 0; r <= parts; ++r) bounds[r] = std::min(units, r * chunk);
   return bounds;
@@ -87,8 +86,8 @@ inline std::vector<int64_t> even_bounds(int64_t units, int64_t parts) {
 // configuration) goes before the loop, once.
 template <typename Fn>
 void parallel_shared(std::vector<int64_t> bounds, const Fn& fn) {
+  if (bounds.back() == 0) return;  // no units
   SharedWork work(std::move(bounds));
-  if (work.end_of(work.parts() - 1) == 0) return;
   at::parallel_for(0, work.parts(), 1, [&](int64_t begin, int64_t /*end*/) {
     SharedWork::Cursor cursor(work, begin);
     fn(cursor);

@@ -93,14 +93,14 @@ class EngineThread:
         self._lock = threading.Lock()
         self._accepting = True
         self._last_stats_s = 0.0
-        self._home = home or EngineHome()
-        self._thread = self._home.thread
-        self._started = False
+        self._home = home
+        self._thread: threading.Thread | None = None  # the home's thread, once start() hands it the loop
 
     # --- called from HTTP handlers -----------------------------------------------------------
     def start(self) -> None:
-        self._started = True
-        self._home.hand_over(self._run)
+        home = self._home or EngineHome()
+        self._thread = home.thread
+        home.hand_over(self._run)
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError: 429 when the queue is full, 503 while shutting down."""
@@ -136,7 +136,7 @@ class EngineThread:
     def stop(self, grace_s: float) -> None:
         """Refuse new jobs, let running ones finish for up to grace_s, cancel the rest, end the thread."""
         self.stop_accepting()
-        if not self._started or not self._thread.is_alive():
+        if self._thread is None or not self._thread.is_alive():
             return
         deadline = time.monotonic() + grace_s
         while self._pending and time.monotonic() < deadline and self._thread.is_alive():
