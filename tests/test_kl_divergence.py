@@ -59,6 +59,31 @@ def test_a_base_from_a_larger_vocabulary_is_refused():
         comparer(torch.log_softmax(torch.zeros(3, 100), dim=-1), torch.zeros(3, dtype=torch.int64))
 
 
+def test_the_perplexity_change_comes_with_the_standard_error_of_the_paired_losses():
+    gen = torch.Generator().manual_seed(2)
+    base = torch.log_softmax(torch.randn(50, 30, generator=gen), dim=-1)
+    run = torch.log_softmax(base + 0.2 * torch.randn(50, 30, generator=gen), dim=-1)
+    targets = torch.randint(0, 30, (50,), generator=gen)
+    recorder = kl.Recorder()
+    recorder(base[:20], targets[:20])
+    recorder(base[20:], targets[20:])  # two windows
+    comparer = kl.Comparer(recorder.base(64, "digest", "base", 10.0))
+    comparer(run[:20], targets[:20])
+    comparer(run[20:], targets[20:])
+    result = comparer.result()
+    delta = (base.double() - run.double()).gather(1, targets[:, None]).squeeze(1)  # run's loss - base's
+    ratio = float(delta.mean().exp())
+    assert result.ppl_change == pytest.approx(ratio - 1, rel=1e-9)
+    assert result.ppl_change_stderr == pytest.approx(ratio * float(delta.std()) / 50 ** 0.5, rel=1e-9)
+    assert "+/- " in kl.describe(result, comparer.base, 10.0)
+
+    old = recorder.base(64, "digest", "base", 10.0)
+    old.nll = None  # a base file written before the losses were kept
+    comparer = kl.Comparer(old)
+    comparer(run, targets)
+    assert comparer.result().ppl_change_stderr is None and "+/-" not in kl.describe(comparer.result(), old, 10.0)
+
+
 def run_cli(args: list[str]):
     return CliRunner().invoke(app, ["bench", "perplexity", str(TEXT), "--ctx", "128", "--no-disk-cache", *args],
                               catch_exceptions=False)
@@ -72,7 +97,7 @@ def test_the_command_saves_a_base_then_compares_runs_with_it(tiny_model_factory,
     assert base.exists() and "as the --kl-base" in saved.output
     same = run_cli(["-m", str(folder), "--dtype", "float32", "--kl-base", str(base)])
     assert same.exit_code == 0, same.output
-    assert "mean 0, 99th percentile 0;" in same.output and "same top token at 100.0%" in same.output and "(+0.00%)" in same.output
+    assert "mean 0, 99th percentile 0;" in same.output and "same top token at 100.0%" in same.output and "(+0.00% +/- 0.00%)" in same.output
     other = run_cli(["-m", str(folder), "--dtype", "bfloat16", "--kl-base", str(base)])
     match = re.search(r"mean ([\d.e+-]+), 99th percentile ([\d.e+-]+);", other.output)
     assert other.exit_code == 0 and match and float(match.group(1)) > 0, other.output

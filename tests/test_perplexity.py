@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,21 @@ def test_a_text_shorter_than_a_window_or_a_tiny_ctx_is_refused(count, ctx, fragm
         text_windows(list(range(count)), ctx, None)
 
 
-def transformers_perplexity(folder: Path, windows: list[list[int]]) -> float:
+def transformers_perplexity(folder: Path, windows: list[list[int]]) -> tuple[float, float]:
+    """(perplexity, its standard error: ppl * stdev of the per-token losses / sqrt(count))."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    nll, scored = 0.0, 0
+    per_token: list[float] = []
     with torch.no_grad():
         for window in windows:
             ids = torch.tensor([window])
             logits = model(ids).logits[0].float()  # [ctx, vocab]
             first = len(window) // 2
             losses = -torch.log_softmax(logits[first:-1], dim=-1).gather(1, ids[0, first + 1:, None])
-            nll, scored = nll + float(losses.double().sum()), scored + losses.numel()
-    return math.exp(nll / scored)
+            per_token += losses.double().flatten().tolist()
+    ppl = math.exp(statistics.fmean(per_token))
+    return ppl, ppl * statistics.stdev(per_token) / math.sqrt(len(per_token))
 
 
 def test_perplexity_equals_transformers_on_the_same_weights(tiny_model_factory):
@@ -61,7 +64,9 @@ def test_perplexity_equals_transformers_on_the_same_weights(tiny_model_factory):
     assert result.windows == len(windows) >= 3 and result.tokens_scored == len(windows) * 31
     assert [s[:2] for s in seen] == [(i + 1, len(windows)) for i in range(len(windows))]
     assert result.running_ppl[-1] == result.ppl
-    assert result.ppl == pytest.approx(transformers_perplexity(folder, windows), rel=1e-4)
+    ppl, stderr = transformers_perplexity(folder, windows)
+    assert result.ppl == pytest.approx(ppl, rel=1e-4)
+    assert result.stderr == pytest.approx(stderr, rel=1e-3) and 0 < result.stderr < result.ppl
 
 
 def test_the_command_prints_perplexity_over_the_shipped_text(tiny_model_factory):
@@ -69,7 +74,7 @@ def test_the_command_prints_perplexity_over_the_shipped_text(tiny_model_factory)
     result = CliRunner().invoke(app, ["bench", "perplexity", str(TEXT), "-m", str(folder), "--ctx", "128",
                                       "--no-disk-cache", "--dtype", "float32"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    match = re.search(r"perplexity (\d+\.\d+) .*quantize none, kv float32, (\d+) windows of 128 tokens", result.output)
+    match = re.search(r"perplexity (\d+\.\d+) \+/- \d+\.\d+ .*quantize none, kv float32, (\d+) windows of 128 tokens", result.output)
     assert match and float(match.group(1)) > 1 and int(match.group(2)) >= 1, result.output
     assert "[1/" in result.output  # progress, one line a window
 

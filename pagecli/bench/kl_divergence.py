@@ -11,11 +11,17 @@ vocabulary as one bucket: a lower bound of the full divergence that misses only 
 tail beyond TOP_K tokens is spread (on SmolLM2-135M over the shipped text, 93-94% of the full
 figure: 0.00185 against 0.00197 for bf16, 0.01552 against 0.01665 for int8 on VNNI; with the top 64,
 85%), and whether the most likely token is the same. The base file holds 2 KB per position.
+
+The base also keeps each position's loss (the negative log-likelihood of the text's next token), so
+the perplexity change is given with the standard error of the mean per-position difference: two runs
+over the same tokens differ far less than either figure's own standard error says (a base written
+before this has no losses, and the change is then given without it).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +46,13 @@ class BaseDistributions:
     ppl: float
     top_ids: torch.Tensor
     top_logp: torch.Tensor
+    nll: torch.Tensor | None = None  # [n] float64: each position's loss; None in older files
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".partial")
         torch.save({"format": FORMAT, "ctx": self.ctx, "digest": self.digest, "description": self.description,
-                    "ppl": self.ppl, "top_ids": self.top_ids, "top_logp": self.top_logp}, tmp)
+                    "ppl": self.ppl, "top_ids": self.top_ids, "top_logp": self.top_logp, "nll": self.nll}, tmp)
         tmp.replace(path)  # a crash leaves no half-written base behind
 
     @classmethod
@@ -56,7 +63,13 @@ class BaseDistributions:
             raise PagecliError(f"Cannot read '{path}' as a --kl-base file ({error}).") from error
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise PagecliError(f"'{path}' is not a --kl-base file written by this version of pagecli.")
-        return cls(data["ctx"], data["digest"], data["description"], data["ppl"], data["top_ids"], data["top_logp"])
+        return cls(data["ctx"], data["digest"], data["description"], data["ppl"], data["top_ids"], data["top_logp"],
+                   data.get("nll"))
+
+
+def position_losses(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[n] float64: -log p(next token) at each scored position (log-probabilities [n, vocab])."""
+    return -logp.gather(1, targets[:, None].long()).squeeze(1).double()
 
 
 class Recorder:
@@ -65,14 +78,17 @@ class Recorder:
     def __init__(self) -> None:
         self.ids: list[torch.Tensor] = []
         self.logp: list[torch.Tensor] = []
+        self.nll: list[torch.Tensor] = []
 
     def __call__(self, logp: torch.Tensor, targets: torch.Tensor) -> None:
         top = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1)
         self.ids.append(top.indices.to(torch.int32))
         self.logp.append(top.values)
+        self.nll.append(position_losses(logp, targets))
 
     def base(self, ctx: int, digest: str, description: str, ppl: float) -> BaseDistributions:
-        return BaseDistributions(ctx, digest, description, ppl, torch.cat(self.ids), torch.cat(self.logp))
+        return BaseDistributions(ctx, digest, description, ppl, torch.cat(self.ids), torch.cat(self.logp),
+                                 torch.cat(self.nll))
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,10 @@ class Divergence:
     p99: float  # the 99th percentile over positions
     same_top: float  # share of positions whose most likely token is the base's
     positions: int
+    # exp(mean per-position loss difference) - 1: the run's perplexity against the base's, and the standard
+    # error of that figure (None where the base file has no losses)
+    ppl_change: float | None = None
+    ppl_change_stderr: float | None = None
 
 
 class Comparer:
@@ -91,6 +111,7 @@ class Comparer:
         self.done = 0
         self.kl: list[torch.Tensor] = []
         self.same: list[torch.Tensor] = []
+        self.loss_delta: list[torch.Tensor] = []
 
     def __call__(self, logp: torch.Tensor, targets: torch.Tensor) -> None:
         n = logp.shape[0]
@@ -110,14 +131,22 @@ class Comparer:
                               torch.zeros_like(kl))
         self.kl.append(kl.clamp_min(0))  # rounding can make a near-zero figure slightly negative
         self.same.append(logp.argmax(dim=1) == ids[:, 0])
+        if self.base.nll is not None:
+            self.loss_delta.append(position_losses(logp, targets) - self.base.nll[self.done:self.done + n])
         self.done += n
 
     def result(self) -> Divergence:
         if self.done != self.base.top_ids.shape[0]:
             raise PagecliError(f"This run scored {self.done} positions, the --kl-base file {self.base.top_ids.shape[0]}.")
         kl = torch.cat(self.kl)
+        change = stderr = None
+        if self.loss_delta and self.done > 1:
+            delta = torch.cat(self.loss_delta)
+            change = math.exp(float(delta.mean()))
+            stderr = change * float(delta.std()) / math.sqrt(self.done)
+            change -= 1
         return Divergence(float(kl.mean()), float(kl.quantile(0.99)), float(torch.cat(self.same).double().mean()),
-                          self.done)
+                          self.done, change, stderr)
 
 
 def check_compatible(base: BaseDistributions, path: Path, ctx: int, digest: str) -> None:
@@ -130,7 +159,10 @@ def check_compatible(base: BaseDistributions, path: Path, ctx: int, digest: str)
 
 
 def describe(result: Divergence, base: BaseDistributions, ppl: float) -> str:
+    change = f"{100 * (ppl / base.ppl - 1):+.2f}%"
+    if result.ppl_change_stderr is not None:
+        change += f" +/- {100 * result.ppl_change_stderr:.2f}%"
     return (f"KL divergence from the base ({base.description}): mean {result.mean:.4g}, 99th percentile "
             f"{result.p99:.4g}; same top token at {100 * result.same_top:.1f}% of {result.positions} positions; "
-            f"perplexity {ppl:.4f} against the base's {base.ppl:.4f} ({100 * (ppl / base.ppl - 1):+.2f}%)")
+            f"perplexity {ppl:.4f} against the base's {base.ppl:.4f} ({change})")
 

@@ -6,7 +6,11 @@ not fill a window is dropped). Each window is evaluated from an empty cache; whe
 starts text with BOS, the window's first token is replaced by BOS (as llama-perplexity does). Only the
 second half of each window is scored, so every scored token sees at least ctx / 2 tokens of context:
 the logits at positions ctx/2 .. ctx-2 against the tokens that follow them (ctx/2 - 1 per window).
-ppl = exp(mean negative log-likelihood over every scored token).
+ppl = exp(mean negative log-likelihood over every scored token); its standard error, as llama-perplexity
+prints it, is ppl times the standard error of that mean (the spread of the per-token values over the
+square root of their count). It says how far another text of this kind could move the figure, not how
+far two runs on this text are apart: those share their tokens, so their difference is much steadier
+(--kl-base compares them position by position).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Perplexity:
     ctx: int
     tokens_scored: int
     running_ppl: tuple[float, ...]  # after each window, as llama-perplexity prints them
+    stderr: float = 0.0  # of ppl (module docstring); 0 with a single scored token
 
 
 def text_windows(token_ids: list[int], ctx: int, bos_id: int | None) -> list[list[int]]:
@@ -87,7 +92,7 @@ def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, 
     on_logprobs(log-probabilities [n, vocab], next tokens [n]) for each window's scored positions."""
     windows = scored_windows(engine, text, ctx)
     loaded = engine.loaded
-    nll_sum, scored, running = 0.0, 0, []
+    nll_sum, nll_squares, scored, running = 0.0, 0.0, 0, []
     for index, window in enumerate(windows):
         logp, targets = window_logprobs(loaded.model, engine.backend, window, engine.config.block_size,
                                         engine.kv_format, loaded.device)
@@ -95,7 +100,11 @@ def perplexity(engine: Any, text: str, ctx: int, on_window: Callable[[int, int, 
             on_logprobs(logp, targets)
         nll = -logp.gather(1, targets[:, None]).squeeze(1)  # [n]
         nll_sum, scored = nll_sum + float(nll.double().sum()), scored + int(nll.numel())
+        nll_squares += float(nll.double().square().sum())
         running.append(math.exp(nll_sum / scored))
         if on_window is not None:
             on_window(index + 1, len(windows), running[-1])
-    return Perplexity(running[-1], len(windows), ctx, scored, tuple(running))
+    mean = nll_sum / scored
+    variance = max(0.0, nll_squares / scored - mean * mean) * scored / max(1, scored - 1)
+    return Perplexity(running[-1], len(windows), ctx, scored, tuple(running),
+                      running[-1] * math.sqrt(variance / scored) if scored > 1 else 0.0)
