@@ -4,7 +4,8 @@
 
 For each row count, one pass over every projection of the 30 layers and the 49,152-row output layer
 (269 MB of bf16) with: F.linear (oneDNN), linear_bf16_rows (up to 16 rows) and linear_bf16_packed
-on weights packed once; and a plain read of the same bytes (torch sum: the memory floor). The
+on weights packed once; and a plain read of the same bytes (the native read_probe, one pass on every
+thread: the memory floor; torch's sum read at about two thirds of its speed on Zen 4). The
 kinds take turns within each repetition, so a change in the machine's speed between minutes hits
 them alike; printed: the median ms with [min-max], and GFLOP/s (2 * rows * parameters per pass).
 For the packed kernel: its share of the bf16 peak, assuming one 512-bit vdpbf16ps per cycle per
@@ -70,7 +71,8 @@ def main() -> None:
     packed_bytes = sum(p.numel() * p.element_size() for p in packs)
     params = sum(w.numel() for w in weights)
     peak = FLOP_PER_CYCLE * args.ghz * args.threads  # GFLOP/s
-    flat = torch.cat([w.flatten() for w in weights]).view(torch.float32)  # the same bytes, contiguous
+    flat = torch.cat([w.flatten() for w in weights])  # the same bytes, contiguous
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 32)]).view(torch.int64)  # whole 64-byte lines
     print(f"threads: {args.threads}; weights {weight_bytes / 1e6:.0f} MB ({len(weights)} matrices), packed "
           f"{packed_bytes / 1e6:.0f} MB in {pack_s:.2f} s; bf16 peak assumed {peak:.0f} GF/s "
           f"({FLOP_PER_CYCLE} flop/cycle/core at {args.ghz} GHz)")
@@ -78,7 +80,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}  # [rows, K]
         kinds: dict[str, Callable[[], object]] = {
-            "read": lambda: flat.sum(),
+            "read": lambda: ops.read_probe(flat),
             "F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
             "packed": lambda: [ops.linear_bf16_packed(xs[w.shape[1]], p, None, w.shape[0], w.shape[1])
                                for w, p in zip(weights, packs)],

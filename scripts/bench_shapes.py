@@ -8,7 +8,11 @@ DIR is a folder made by scripts/make_shape_models.py (random weights of a real s
 GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its own process, the
 contenders alternating within every repetition; medians with the range:
   pp512  a 512-token prompt prefilled (tokens/s), as llama-bench -p 512
-  tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128
+  tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128; also the
+         memory's read bandwidth by a plain read loop (pagecli.bench.bandwidth, its own process in
+         each repetition) and each contender's weight bytes per token x tokens/s as a share of it
+         (pagecli: the loaded weights' bytes; llama.cpp: the GGUF file's size; both read the tied
+         embedding table once a token as the output layer)
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
@@ -62,17 +66,38 @@ elif task == "tg128":
 else:
     start, first, end, tokens = timed([ids(256) for _ in range(16)], 64)
     rate = tokens / (end - start)
-print(json.dumps({"rate": rate}))
+print(json.dumps({"rate": rate, "weights_bytes": engine.weights_bytes}))
+"""
+
+READ_CHILD = r"""
+import json, statistics, sys, torch
+from pagecli import native
+from pagecli.bench.bandwidth import read_bandwidth
+torch.set_num_threads(int(sys.argv[1]))
+print(json.dumps({"rate": statistics.median(read_bandwidth(native.cpu_ops(), repeats=3))}))
 """
 
 
-def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> float:
+def read_rate(threads: int) -> tuple[float, None]:
+    """GB/s of a plain read loop on `threads` threads, in a process of its own."""
+    out = subprocess.run([sys.executable, "-c", READ_CHILD, str(threads)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["rate"], None
+
+
+def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> tuple[float, int]:
+    """(tokens/s, the loaded weights' bytes)."""
     out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize, kv_dtype],
                          capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["rate"], result["weights_bytes"]
 
 
-def llama_rate(task: str, gguf: str, bin_dir: str, threads: int, extra: list[str]) -> float:
+def llama_rate(task: str, gguf: str, bin_dir: str, threads: int, extra: list[str]) -> tuple[float, int]:
+    """(tokens/s, the GGUF file's bytes)."""
+    return llama_tokens_per_s(task, gguf, bin_dir, threads, extra), os.path.getsize(gguf)
+
+
+def llama_tokens_per_s(task: str, gguf: str, bin_dir: str, threads: int, extra: list[str]) -> float:
     if task == "batch":
         out = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", "8192", "-b", "2048",
                               "-ub", "512", "-npp", "256", "-ntg", "64", "-npl", "16", "-t", str(threads), *extra],
@@ -113,15 +138,29 @@ def main() -> None:
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,
                                                                                               args.threads, extra))
     results: dict[tuple[str, str], list[float]] = {}
+    weight_bytes: dict[str, int] = {}
     for task in args.only.split(","):
+        runs = dict(contenders)
+        if task == "tg128":
+            runs["read loop"] = lambda task: read_rate(args.threads)
         for rep in range(args.reps):
-            for name, run in contenders.items():
-                rate = run(task)
+            for name, run in runs.items():
+                rate, nbytes = run(task)
                 results.setdefault((task, name), []).append(rate)
-                print(f"  {task} rep {rep + 1} {name}: {rate:.1f} tok/s", flush=True)
+                if nbytes is not None:
+                    weight_bytes[name] = nbytes
+                unit = "GB/s" if name == "read loop" else "tok/s"
+                print(f"  {task} rep {rep + 1} {name}: {rate:.1f} {unit}", flush=True)
     print(f"\n{os.path.basename(model)}, {args.threads} threads, medians of {args.reps} alternating runs [min-max]")
+    read = results.get(("tg128", "read loop"))
     for (task, name), rates in results.items():
-        print(f"{task:6} {name:18} {statistics.median(rates):8.1f} tok/s  [{min(rates):.1f}-{max(rates):.1f}]")
+        median = statistics.median(rates)
+        unit = "GB/s" if name == "read loop" else "tok/s"
+        line = f"{task:6} {name:18} {median:8.1f} {unit:5}  [{min(rates):.1f}-{max(rates):.1f}]"
+        if task == "tg128" and read and name in weight_bytes:
+            gbs = median * weight_bytes[name] / 1e9
+            line += f"  {weight_bytes[name] / 1e9:.2f} GB a token: {gbs:.1f} GB/s, {gbs / statistics.median(read):.0%} of the read loop"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,12 @@ _SOURCES = tuple(_HERE / name for name in (
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
+    "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
 ))
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
     "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
-    "work_share.h",
+    "work_share.h", "read_probe.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

@@ -1,7 +1,10 @@
-"""`python -m pagecli.native`: compile (or load) the CPU kernels now and say where they are."""
+"""`python -m pagecli.native [--bandwidth]`: compile (or load) the CPU kernels now and say where they are;
+with --bandwidth, also the memory's read bandwidth on torch's threads (a plain read loop, the ceiling
+that single-stream decode approaches)."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 
 from pagecli import native
@@ -9,7 +12,11 @@ from pagecli.errors import PagecliError
 from pagecli.native import isa
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(arg not in ("--bandwidth",) for arg in args):
+        print(f"usage: python -m pagecli.native [--bandwidth]\n{__doc__}", file=sys.stderr)
+        return 2
     try:
         native.level()
     except PagecliError as exc:
@@ -29,6 +36,14 @@ def main() -> int:
     print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
           f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
     print(f"==> --quantize products: {quantized_kernels(ops)}")
+    if "--bandwidth" in args:
+        import torch
+
+        from pagecli.bench.bandwidth import DEFAULT_MIB, read_bandwidth
+
+        rates = read_bandwidth(ops)
+        print(f"==> read bandwidth, {torch.get_num_threads()} threads, {DEFAULT_MIB} MiB read {len(rates)} times: "
+              f"{statistics.median(rates):.1f} GB/s [{min(rates):.1f}-{max(rates):.1f}]")
     return 0
 
 

@@ -8,6 +8,7 @@
 #include "gemm_bf16.h"
 #include "quant_int4.h"
 #include "quant_int8.h"
+#include "read_probe.h"
 #include "simd.h"
 #include "work_share.h"
 
@@ -68,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("out_features", &pagecli::PackedLinearInt4::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinearInt4::in_features);
   m.def("int4_linear_kind", &pagecli::int4_linear_kind, "Which int4 kernel this build runs: avx512_vnni, avx2 or ''");
+  m.def("read_probe", &pagecli::read_probe,
+        "Reads a buffer once on every thread (the read bandwidth's probe); returns the XOR of its 64-bit words");
   m.def("shared_work_takers", &pagecli::shared_work_takers,
         "Which thread's share took each unit when the owner of one share starts late (tests of work_share.h)");
   m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_vnni, avx2 or ''");
