@@ -220,3 +220,35 @@ def test_int8_kv_perplexity_on_smollm2_is_within_half_a_percent(smollm2_dir):
         with Engine(str(smollm2_dir), config) as engine:
             ppl[kv] = perplexity(engine, text, 512).ppl
     assert abs(ppl["int8"] / ppl["auto"] - 1) <= 0.005, ppl
+
+
+@pytest.mark.slow
+def test_int8_kv_greedy_output_parts_from_float32_only_at_near_ties(smollm2_dir):
+    """Issue 18's greedy target, on test_smollm2_end_to_end's 9 requests, 24 tokens each, with float32 weights
+    (a bfloat16 model parts from float32 on 5 of them by its own rounding: docs/benchmarks/kv-cache-quantized.md).
+    Where int8's output parts from the float32 cache's, transformers' float32 logits at that token must put the
+    two tokens within 0.1 of each other: the int8 cache may settle a near-tie the other way, never a clear choice.
+    Measured 2026-11-26 (Zen 4, avx512): 7 of 9 identical; the other two part at their first token, where
+    float32's top two logits are 0.018 and 0.038 apart."""
+    from test_smollm2_end_to_end import REQUESTS
+    from transformers import AutoModelForCausalLM
+
+    def outputs(kv_dtype):
+        config = EngineConfig(kv_dtype=kv_dtype, dtype="float32", disk_cache=False, threads=2)
+        with Engine(str(smollm2_dir), config) as engine:
+            prompts = [engine.encode_chat(r["messages"]) if "messages" in r else engine.encode(r["prompt"])
+                       for r in REQUESTS]
+            runs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            return prompts, [o.token_ids for o in runs]
+
+    prompts, base = outputs("auto")
+    _, int8 = outputs("int8")
+    parted = [(p, a, b) for p, a, b in zip(prompts, base, int8) if a != b]
+    assert len(parted) <= 3, f"{len(parted)} of {len(base)} requests parted"
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    for prompt, a, b in parted:
+        at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt) + list(a[:at])])).logits[0, -1]
+        margin = float(logits[a[at]] - logits[b[at]])
+        assert 0 <= margin < 0.1, (at, margin)
