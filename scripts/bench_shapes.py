@@ -11,8 +11,8 @@ contenders alternating within every repetition; medians with the range:
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128; also the
          memory's read bandwidth by a plain read loop (pagecli.bench.bandwidth, its own process in
          each repetition) and each contender's weight bytes per token x tokens/s as a share of it
-         (pagecli: the loaded weights' bytes; llama.cpp: the GGUF file's size; both read the tied
-         embedding table once a token as the output layer)
+         (pagecli: the loaded weights' bytes, less an embedding table kept apart from the output
+         layer, which gives one row a token; llama.cpp: the GGUF file's size)
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
@@ -66,7 +66,13 @@ elif task == "tg128":
 else:
     start, first, end, tokens = timed([ids(256) for _ in range(16)], 64)
     rate = tokens / (end - start)
-print(json.dumps({"rate": rate, "weights_bytes": engine.weights_bytes}))
+# The bytes a decode token reads: every weight, less an embedding table that only gives its one row (it
+# is not the output layer's storage: untied, or the output layer packed or quantized apart from it).
+model = engine.loaded.model
+table = model.model.embed_tokens.weight
+apart = table is not None and (model.output_packed is not None or not model.spec.tie_word_embeddings)
+read_bytes = engine.weights_bytes - (table.numel() * table.element_size() if apart else 0)
+print(json.dumps({"rate": rate, "read_bytes": read_bytes}))
 """
 
 READ_CHILD = r"""
@@ -85,11 +91,11 @@ def read_rate(threads: int) -> tuple[float, None]:
 
 
 def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> tuple[float, int]:
-    """(tokens/s, the loaded weights' bytes)."""
+    """(tokens/s, the weight bytes a decode token reads)."""
     out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize, kv_dtype],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return result["rate"], result["weights_bytes"]
+    return result["rate"], result["read_bytes"]
 
 
 def llama_rate(task: str, gguf: str, bin_dir: str, threads: int, extra: list[str]) -> tuple[float, int]:
