@@ -9,10 +9,11 @@ GGUF files beside it (DIR.F16.gguf, DIR.Q8_0.gguf, ...). Figures, each in its ow
 contenders alternating within every repetition; medians with the range:
   pp512  a 512-token prompt prefilled (tokens/s), as llama-bench -p 512
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128; also the
-         memory's read bandwidth by a plain read loop (pagecli.bench.bandwidth, its own process in
-         each repetition) and each contender's weight bytes per token x tokens/s as a share of it
-         (pagecli: the loaded weights' bytes, less an embedding table kept apart from the output
-         layer, which gives one row a token; llama.cpp: the GGUF file's size)
+         weight bytes a token reads x tokens/s as a share of the memory's read bandwidth, measured
+         by a plain read loop (pagecli.bench.bandwidth, a process of its own) right after each run,
+         since this machine's bandwidth swings between minutes (pagecli: the loaded weights' bytes,
+         less an embedding table kept apart from the output layer, which gives one row a token;
+         llama.cpp: the GGUF file's size)
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
@@ -84,10 +85,10 @@ print(json.dumps({"rate": statistics.median(read_bandwidth(native.cpu_ops(), rep
 """
 
 
-def read_rate(threads: int) -> tuple[float, None]:
+def read_rate(threads: int) -> float:
     """GB/s of a plain read loop on `threads` threads, in a process of its own."""
     out = subprocess.run([sys.executable, "-c", READ_CHILD, str(threads)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["rate"], None
+    return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
 
 
 def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> tuple[float, int]:
@@ -145,28 +146,31 @@ def main() -> None:
                                                                                               args.threads, extra))
     results: dict[tuple[str, str], list[float]] = {}
     weight_bytes: dict[str, int] = {}
+    shares: dict[str, list[float]] = {}  # tg128: each run's GB/s over the read loop's right after it
+    reads: list[float] = []
     for task in args.only.split(","):
-        runs = dict(contenders)
-        if task == "tg128":
-            runs["read loop"] = lambda task: read_rate(args.threads)
         for rep in range(args.reps):
-            for name, run in runs.items():
+            for name, run in contenders.items():
                 rate, nbytes = run(task)
                 results.setdefault((task, name), []).append(rate)
-                if nbytes is not None:
+                line = f"  {task} rep {rep + 1} {name}: {rate:.1f} tok/s"
+                if task == "tg128":
                     weight_bytes[name] = nbytes
-                unit = "GB/s" if name == "read loop" else "tok/s"
-                print(f"  {task} rep {rep + 1} {name}: {rate:.1f} {unit}", flush=True)
+                    read = read_rate(args.threads)
+                    reads.append(read)
+                    shares.setdefault(name, []).append(rate * nbytes / 1e9 / read)
+                    line += f" ({rate * nbytes / 1e9:.1f} GB/s; read loop right after: {read:.1f} GB/s)"
+                print(line, flush=True)
     print(f"\n{os.path.basename(model)}, {args.threads} threads, medians of {args.reps} alternating runs [min-max]")
-    read = results.get(("tg128", "read loop"))
     for (task, name), rates in results.items():
-        median = statistics.median(rates)
-        unit = "GB/s" if name == "read loop" else "tok/s"
-        line = f"{task:6} {name:18} {median:8.1f} {unit:5}  [{min(rates):.1f}-{max(rates):.1f}]"
-        if task == "tg128" and read and name in weight_bytes:
-            gbs = median * weight_bytes[name] / 1e9
-            line += f"  {weight_bytes[name] / 1e9:.2f} GB a token: {gbs:.1f} GB/s, {gbs / statistics.median(read):.0%} of the read loop"
+        line = f"{task:6} {name:18} {statistics.median(rates):8.1f} tok/s  [{min(rates):.1f}-{max(rates):.1f}]"
+        if task == "tg128":
+            got = shares[name]
+            line += (f"  {weight_bytes[name] / 1e9:.2f} GB a token, {statistics.median(got):.0%} of the read loop "
+                     f"[{min(got):.0%}-{max(got):.0%}]")
         print(line)
+    if reads:
+        print(f"read loop, {args.threads} threads: {statistics.median(reads):.1f} GB/s [{min(reads):.1f}-{max(reads):.1f}]")
 
 
 if __name__ == "__main__":
