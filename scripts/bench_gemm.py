@@ -1,9 +1,10 @@
 """The packed bf16 GEMM (gemm_bf16.cpp) on SmolLM2-135M's weights, against the products it could replace.
 
     .venv/bin/python scripts/bench_gemm.py [--threads 2] [--repeats 7] [--rows 1,2,4,8,16,32,64,128,256]
+        [--model DIR]
 
 For each row count, one pass over every projection of the 30 layers and the 49,152-row output layer
-(269 MB of bf16) with: F.linear (oneDNN), linear_bf16_rows (up to 16 rows) and linear_bf16_packed
+(269 MB of bf16; --model: another model's, e.g. scripts/make_shape_models.py's 1.7B shape) with: F.linear (oneDNN), linear_bf16_rows (up to 16 rows) and linear_bf16_packed
 on weights packed once; and a plain read of the same bytes (the native read_probe, one pass on every
 thread: the memory floor; torch's sum read at about two thirds of its speed on Zen 4). The
 kinds take turns within each repetition, so a change in the machine's speed between minutes hits
@@ -55,10 +56,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--ghz", type=float, default=3.5, help="core clock for the peak figure")
+    ap.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["PAGECLI_PACKED_GEMM"] = "0"  # the row-layout weights are what this script times and packs
-    engine = Engine(None, EngineConfig(dtype="bfloat16", disk_cache=False))
+    engine = Engine(args.model, EngineConfig(dtype="bfloat16", disk_cache=False, kv_budget_gib=0.25))
     ops = engine.backend.cpu_ops
     if ops is None or not ops.has_packed_linear():
         raise SystemExit("needs pagecli's CPU kernels with AVX512-BF16 (has_packed_linear)")
