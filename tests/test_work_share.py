@@ -10,18 +10,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from pagecli import native
-from pagecli.native import isa
 
-if not native.enabled():
-    pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
+from native_levels import ops, skip_without_native  # noqa: F401 - ops: the fixture, once per compiled level
 
-COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
-
-
-@pytest.fixture(scope="module", params=COMPILED_LEVELS)
-def ops(request):
-    return native.cpu_ops_for(request.param)
+skip_without_native()
 
 
 @contextmanager
