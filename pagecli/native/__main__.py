@@ -13,7 +13,8 @@ from pagecli.native import isa
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    """The command with `argv` (none: no options; `python -m` passes the command line's)."""
+    args = argv or []
     if any(arg not in ("--bandwidth",) for arg in args):
         print(f"usage: python -m pagecli.native [--bandwidth]\n{__doc__}", file=sys.stderr)
         return 2
@@ -58,4 +59,4 @@ def quantized_kernels(ops) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
