@@ -3,7 +3,8 @@
 ttft: one n=N request against n=1 on the same prompt, alternating, prefix caching and the disk
 store off (every repetition prefills); issue 27's target is a ratio <= 1.2.
 throughput: P prompts x n=N x T tokens as P forked requests, against the same P*N sequences sent
-as separate requests with prefix caching on (disk store off), and with --vllm-python against vLLM's
+as separate requests with prefix caching on (disk store off; --separate-uncached: also on an engine
+with prefix caching off, where every copy prefills its prompt), and with --vllm-python against vLLM's
 CPU build running the same token ids as P requests with SamplingParams(n=N) (temperature 1.0, EOS
 ignored, unseeded: see VLLM_FORKS_DRIVER; prefix caching on, pagecli's dtype unless --vllm-dtype;
 its knobs and core binding are bench_peers.py's, from peer_drivers.py). Output tokens/s is output
@@ -12,7 +13,7 @@ round on prompts of its own (so each round prefills in both engines), and prints
 vLLM stays one process, so it compiles its model once (minutes) before the first round. Usage:
     .venv/bin/python scripts/bench_forks.py ttft [--threads 2] [--reps 7] [--prompt-tokens 512] [--n 8]
     .venv/bin/python scripts/bench_forks.py throughput [--threads 2] [--prompts 16] [--n 8] [--max-tokens 128]
-        [--reps 1] [--no-separate] [--vllm-python PATH [--vllm-bind 0-1] [--vllm-max-num-seqs S]
+        [--reps 1] [--no-separate] [--separate-uncached] [--vllm-python PATH [--vllm-bind 0-1] [--vllm-max-num-seqs S]
         [--vllm-max-num-batched-tokens B] [--vllm-kvcache-gib G] [--vllm-dtype DTYPE]]
 """
 
@@ -139,6 +140,17 @@ def run_throughput(args: argparse.Namespace) -> None:
         separate, separate_peak = output_tok_s(engine, fresh, 1, args.n, args.max_tokens)
         print(f"  separate requests with prefix caching {separate:.1f} tok/s (peak {separate_peak} blocks); "
               f"ratio forked / separate {statistics.median(forked) / separate:.2f}")
+    if args.separate_uncached:
+        # What forking saves where nothing else shares the prompt: every copy prefills it.
+        engine.close()
+        uncached = Engine(config=EngineConfig(threads=args.threads, disk_cache=False, enable_prefix_caching=False,
+                                              max_num_seqs=args.prompts * args.n))
+        output_tok_s(uncached, [warmup], 1, 1, 2)  # warm-up
+        alone, alone_peak = output_tok_s(uncached, round_prompts(uncached, base, args, reps + 1), 1, args.n,
+                                         args.max_tokens)
+        uncached.close()
+        print(f"  separate requests, prefix caching off {alone:.1f} tok/s (peak {alone_peak} blocks); "
+              f"ratio forked / separate {statistics.median(forked) / alone:.2f}")
 
 
 def main() -> None:
@@ -151,6 +163,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-separate", action="store_true", help="throughput: skip the separate-requests run")
+    parser.add_argument("--separate-uncached", action="store_true",
+                        help="throughput: also the separate requests on an engine with prefix caching off")
     add_vllm_arguments(parser)
     args = parser.parse_args()
     if args.what == "ttft" and args.vllm_python:
