@@ -182,10 +182,8 @@ at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const 
   const int64_t units = num_panels * row_groups;
   parallel_shared(units, [&](SharedWork::Cursor& cursor) {
     WeightStream stream{nullptr, nullptr};
-    int64_t stream_part = -1;
     for (int64_t u; (u = cursor.next()) >= 0;) {
-      if (cursor.part() != stream_part) {
-        stream_part = cursor.part();
+      if (cursor.entered_part()) {
         const char* run_begin = wp + u / row_groups * panel_bytes;
         const char* run_end = wp + ((cursor.end_of_part() - 1) / row_groups + 1) * panel_bytes;
         stream = WeightStream{std::min(run_end, run_begin + kAheadBytes), run_end};

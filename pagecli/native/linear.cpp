@@ -104,10 +104,8 @@ torch::Tensor linear_bf16_rows(torch::Tensor x, torch::Tensor w, c10::optional<t
     // A thread's own weight rows lie in one contiguous run (work_share.h: a thread done early takes
     // tiles of another's run, and prefetches from there on).
     StreamPrefetch ahead(wp, wp);
-    int64_t ahead_part = -1;
     for (int64_t tile; (tile = cursor.next()) >= 0;) {
-      if (cursor.part() != ahead_part) {
-        ahead_part = cursor.part();
+      if (cursor.entered_part()) {
         ahead = StreamPrefetch(wp + tile * R * K, wp + std::min(cursor.end_of_part() * R, N) * K);
       }
       const int64_t n0 = tile * R;

@@ -225,36 +225,32 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = yf.data_ptr<float>();
   constexpr int64_t R = 4;
-  // Units of 16 columns, shared out as work_share.h does.
-  parallel_shared(ceil_div(N, 16), [&](SharedWork::Cursor& cursor) {
-    const __m128i low_nibble = _mm_set1_epi8(0x0F);
-    for (int64_t unit; (unit = cursor.next()) >= 0;) {
-      for (int64_t n = unit * 16; n < std::min(N, unit * 16 + 16); ++n) {
-        const uint8_t* w = wp + n * groups * 16;
-        const float* sm = smp + n * groups * 2;
-        for (int64_t m0 = 0; m0 < M; m0 += R) {
-          const int64_t rows = std::min(R, M - m0);
-          __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          float min_terms[R] = {0, 0, 0, 0};
-          for (int64_t g = 0; g < groups; ++g) {
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-            const __m128i lo = _mm_and_si128(bytes, low_nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-            const __m256 wv[4] = {widen8(lo), widen8(_mm_srli_si128(lo, 8)), widen8(hi), widen8(_mm_srli_si128(hi, 8))};
-            const __m256 scale = _mm256_set1_ps(sm[2 * g]);
-            for (int64_t i = 0; i < rows; ++i) {
-              const float* xr = xp + (m0 + i) * width + g * kInt4Group;
-              __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(xr), wv[0]);
-              for (int s = 1; s < 4; ++s) sum = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * s), wv[s], sum);
-              acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
-              min_terms[i] += sm[2 * g + 1] * sp[(m0 + i) * groups + g];
-            }
-          }
-          for (int64_t i = 0; i < rows; ++i) {
-            float y = hsum8(acc[i]) + min_terms[i];
-            if (bp) y += bp[n];
-            yp[(m0 + i) * N + n] = y;
-          }
+  // Columns in units of 16, shared out as work_share.h does.
+  const __m128i low_nibble = _mm_set1_epi8(0x0F);
+  parallel_shared_items(N, 16, [&](int64_t n) {
+    const uint8_t* w = wp + n * groups * 16;
+    const float* sm = smp + n * groups * 2;
+    for (int64_t m0 = 0; m0 < M; m0 += R) {
+      const int64_t rows = std::min(R, M - m0);
+      __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      float min_terms[R] = {0, 0, 0, 0};
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+        const __m128i lo = _mm_and_si128(bytes, low_nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+        const __m256 wv[4] = {widen8(lo), widen8(_mm_srli_si128(lo, 8)), widen8(hi), widen8(_mm_srli_si128(hi, 8))};
+        const __m256 scale = _mm256_set1_ps(sm[2 * g]);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* xr = xp + (m0 + i) * width + g * kInt4Group;
+          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(xr), wv[0]);
+          for (int s = 1; s < 4; ++s) sum = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * s), wv[s], sum);
+          acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
+          min_terms[i] += sm[2 * g + 1] * sp[(m0 + i) * groups + g];
         }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        float y = hsum8(acc[i]) + min_terms[i];
+        if (bp) y += bp[n];
+        yp[(m0 + i) * N + n] = y;
       }
     }
   });

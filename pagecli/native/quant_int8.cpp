@@ -176,43 +176,39 @@ at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const uint16_t
   const int8_t* wp = q.data_ptr<int8_t>();
   float* yp = yf.data_ptr<float>();
   constexpr int64_t R = 4;
-  // Units of 16 columns, shared out as work_share.h does.
-  parallel_shared(ceil_div(N, 16), [&](SharedWork::Cursor& cursor) {
-    for (int64_t unit; (unit = cursor.next()) >= 0;) {
-      for (int64_t n = unit * 16; n < std::min(N, unit * 16 + 16); ++n) {
-        const int8_t* w = wp + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += R) {
-          const int64_t rows = std::min(R, M - m0);
-          __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          float tails[R] = {0, 0, 0, 0};  // the k past the last multiple of 8, scaled
-          for (int64_t b = 0; b < B; ++b) {
-            const int64_t k0 = b * kActBlock, k1 = std::min(K, k0 + kActBlock), full = k0 + (k1 - k0) / 8 * 8;
-            const uint32_t bits = static_cast<uint32_t>(sp[n * B + b]) << 16;
-            float scale;
-            std::memcpy(&scale, &bits, sizeof(scale));
-            __m256 block[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t k = k0; k < full; k += 8) {
-              int64_t bytes;
-              std::memcpy(&bytes, w + k, 8);
-              const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
-              for (int64_t i = 0; i < rows; ++i) {
-                block[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), wv, block[i]);
-              }
-            }
-            const __m256 sv = _mm256_set1_ps(scale);
-            for (int64_t i = 0; i < rows; ++i) {
-              acc[i] = _mm256_fmadd_ps(block[i], sv, acc[i]);
-              float tail = 0;
-              for (int64_t k = full; k < k1; ++k) tail += xp[(m0 + i) * K + k] * static_cast<float>(w[k]);
-              tails[i] += tail * scale;
-            }
-          }
+  // Columns in units of 16, shared out as work_share.h does.
+  parallel_shared_items(N, 16, [&](int64_t n) {
+    const int8_t* w = wp + n * K;
+    for (int64_t m0 = 0; m0 < M; m0 += R) {
+      const int64_t rows = std::min(R, M - m0);
+      __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      float tails[R] = {0, 0, 0, 0};  // the k past the last multiple of 8, scaled
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t k0 = b * kActBlock, k1 = std::min(K, k0 + kActBlock), full = k0 + (k1 - k0) / 8 * 8;
+        const uint32_t bits = static_cast<uint32_t>(sp[n * B + b]) << 16;
+        float scale;
+        std::memcpy(&scale, &bits, sizeof(scale));
+        __m256 block[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t k = k0; k < full; k += 8) {
+          int64_t bytes;
+          std::memcpy(&bytes, w + k, 8);
+          const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
           for (int64_t i = 0; i < rows; ++i) {
-            float sum = hsum8(acc[i]) + tails[i];
-            if (bp) sum += bp[n];
-            yp[(m0 + i) * N + n] = sum;
+            block[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), wv, block[i]);
           }
         }
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (int64_t i = 0; i < rows; ++i) {
+          acc[i] = _mm256_fmadd_ps(block[i], sv, acc[i]);
+          float tail = 0;
+          for (int64_t k = full; k < k1; ++k) tail += xp[(m0 + i) * K + k] * static_cast<float>(w[k]);
+          tails[i] += tail * scale;
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        float sum = hsum8(acc[i]) + tails[i];
+        if (bp) sum += bp[n];
+        yp[(m0 + i) * N + n] = sum;
       }
     }
   });

@@ -43,15 +43,20 @@ class SharedWork {
     int64_t next() {
       while (visited_ < work_.parts_) {
         const int64_t u = work_.next_[part_].unit.fetch_add(1, std::memory_order_relaxed);
-        if (u < work_.bounds_[part_ + 1]) return u;
+        if (u < work_.bounds_[part_ + 1]) {
+          entered_ = part_ != taken_from_;
+          taken_from_ = part_;
+          return u;
+        }
         ++visited_;
         part_ = (part_ + 1) % work_.parts_;
       }
       return -1;
     }
-    // The share the last unit came from: a change means the units stopped following each other.
-    int64_t part() const { return part_; }
-    // One past the last unit of that share.
+    // Whether the last unit is the first this thread took from its share: the units stopped following
+    // each other there (a kernel streaming its weights starts a new run).
+    bool entered_part() const { return entered_; }
+    // One past the last unit of the last unit's share.
     int64_t end_of_part() const { return work_.bounds_[part_ + 1]; }
     // The share this thread owns.
     int64_t home() const { return home_; }
@@ -61,6 +66,8 @@ class SharedWork {
     int64_t home_;
     int64_t part_;
     int64_t visited_ = 0;
+    int64_t taken_from_ = -1;  // the share of the last unit handed out
+    bool entered_ = false;
   };
 
  private:
@@ -100,6 +107,17 @@ void parallel_shared(int64_t units, const Fn& fn, int64_t grain = 1) {
   if (units <= 0) return;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
   parallel_shared(even_bounds(units, parts), fn);
+}
+
+// parallel_shared over items [0, count) handed out in units of `per_unit` consecutive items; fn(item)
+// for every item, in order within a unit.
+template <typename Fn>
+void parallel_shared_items(int64_t count, int64_t per_unit, const Fn& fn) {
+  parallel_shared((count + per_unit - 1) / per_unit, [&](SharedWork::Cursor& cursor) {
+    for (int64_t u; (u = cursor.next()) >= 0;) {
+      for (int64_t item = u * per_unit; item < std::min(count, (u + 1) * per_unit); ++item) fn(item);
+    }
+  });
 }
 
 // For the tests (work_share.cpp): parallel_shared over `units` units, the thread that owns share
