@@ -10,7 +10,7 @@ import torch
 
 from pagecli.bench.bandwidth import probe_buffer, read_bandwidth
 
-from native_levels import ops, skip_without_native  # noqa: F401 - ops: the fixture, once per compiled level
+from native_levels import ops, skip_without_native, threads  # noqa: F401 - ops: the fixture, once per compiled level
 
 skip_without_native()
 
@@ -23,16 +23,12 @@ def xor_of_words(buffer: torch.Tensor) -> int:
 # Line counts: one, a partial 256 KB unit, whole units plus a tail (so both threads' shares and the
 # 4-line unrolled loop's remainder are read), and none.
 @pytest.mark.parametrize("lines", [1, 3, 4097, 3 * 4096 + 5, 0])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_probe_reads_every_word_once(ops, lines, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(lines)
-        buffer = torch.randint(-2**62, 2**62, (lines * 8,), dtype=torch.int64, generator=gen)
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_the_probe_reads_every_word_once(ops, lines, count):
+    gen = torch.Generator().manual_seed(lines)
+    buffer = torch.randint(-2**62, 2**62, (lines * 8,), dtype=torch.int64, generator=gen)
+    with threads(count):
         assert ops.read_probe(buffer) == xor_of_words(buffer)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_probe_refuses_a_partial_line(ops):

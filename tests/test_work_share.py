@@ -4,28 +4,11 @@ units taken by the threads that were on time, instead of keeping them waiting.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
-import torch
 
-
-from native_levels import ops, skip_without_native  # noqa: F401 - ops: the fixture, once per compiled level
+from native_levels import ops, skip_without_native, threads  # noqa: F401 - ops: the fixture, once per compiled level
 
 skip_without_native()
-
-
-@contextmanager
-def threads(count: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        if torch.get_num_threads() != count:
-            pytest.skip(f"this build of torch does not run {count} threads")
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("units", "count"), [(1, 2), (7, 2), (64, 2), (100, 3)])
