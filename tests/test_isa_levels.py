@@ -77,3 +77,25 @@ def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
     for name, kind in (("int8", ops.int8_linear_kind()), ("int4", ops.int4_linear_kind())):
         assert f"{name} on {kind or 'the PyTorch reference'}" in line
     assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")
+    assert f"==> packed weights and the KV pool: {native.weight_pages()}" in out
+
+
+@pytest.mark.parametrize(("setting", "env", "expected"), [
+    ("always [madvise] never\n", None, "2 MB pages where the kernel has them free (transparent huge pages: madvise;"),
+    ("[always] madvise never\n", None, "2 MB pages where the kernel has them free (transparent huge pages: always;"),
+    ("always madvise [never]\n", None, "4 KB pages (transparent huge pages are off"),
+    ("always [madvise] never\n", "0", "4 KB pages (PAGECLI_HUGE_PAGES=0)"),
+    (None, None, "4 KB pages (no transparent huge pages on this system)"),
+])
+def test_the_pages_packed_weights_get_are_said_in_words(tmp_path, monkeypatch, setting, env, expected):
+    from pagecli import native
+
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    monkeypatch.setattr(native, "THP_SETTING", path)
+    if env is None:
+        monkeypatch.delenv(native.HUGE_PAGES_VAR, raising=False)
+    else:
+        monkeypatch.setenv(native.HUGE_PAGES_VAR, env)
+    assert native.weight_pages().startswith(expected)

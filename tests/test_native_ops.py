@@ -23,6 +23,8 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
+from native_levels import threads
+
 if not native.enabled():
     pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off", allow_module_level=True)
 
@@ -561,6 +563,23 @@ def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_m
         model, backend, runner = engine.loaded.model, engine.backend, engine.runner
         assert model.decode_step is not None
         gen = torch.Generator().manual_seed(rows)
+        caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
+        assert_decode_step_matches_the_layer_loop(model, backend, caches, rows, gen)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+@pytest.mark.parametrize(("arch", "rows"), [("llama", 1), ("qwen3", 5)])
+def test_the_decode_step_as_one_team_matches_the_python_layer_loop_at_any_thread_count(tiny_model_factory, arch,
+                                                                                        rows, count):
+    # bf16 with packed products: the whole step in one parallel region (DecodeStep::forward_team),
+    # its threads sharing each product and attention call, rank 0 alone between them.
+    with threads(count), Engine(str(tiny_model_factory(arch)),
+                                EngineConfig(dtype="bfloat16", disk_cache=False, block_size=4)) as engine:
+        model, backend, runner = engine.loaded.model, engine.backend, engine.runner
+        if backend.cpu_ops is None or not backend.cpu_ops.has_packed_linear():
+            pytest.skip("no packed bf16 products at this level: DecodeStep runs kernel by kernel")
+        assert model.decode_step.runs_as_team(rows)
+        gen = torch.Generator().manual_seed(count)
         caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
         assert_decode_step_matches_the_layer_loop(model, backend, caches, rows, gen)
 

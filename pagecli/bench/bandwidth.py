@@ -13,16 +13,25 @@ import torch
 DEFAULT_MIB = 512  # well past any L3 cache, so that every pass comes from memory
 
 
-def probe_buffer(mib: int = DEFAULT_MIB) -> torch.Tensor:
+def probe_buffer(mib: int = DEFAULT_MIB, ops: ModuleType | None = None) -> torch.Tensor:
     """A buffer of `mib` MiB whose pages are all written (a never-written page reads as the zero page,
-    from cache, and would overstate the bandwidth)."""
-    return torch.arange(mib * 2**20 // 8, dtype=torch.int64)
+    from cache, and would overstate the bandwidth); with `ops`, in the memory packed weights take
+    (ops.weight_zeros: 2 MB pages), so the loop reads as the products do."""
+    values = torch.arange(mib * 2**20 // 8, dtype=torch.int64)
+    return values if ops is None else in_weight_memory(ops, values)
+
+
+def in_weight_memory(ops: ModuleType, values: torch.Tensor) -> torch.Tensor:
+    """A copy of `values` in the packed weights' memory (weight_memory.h)."""
+    buffer = ops.weight_zeros(list(values.shape), values.dtype)
+    buffer.copy_(values)
+    return buffer
 
 
 def read_bandwidth(ops: ModuleType, repeats: int = 5, buffer: torch.Tensor | None = None) -> list[float]:
     """GB/s of each of `repeats` passes of ops.read_probe over the buffer (after one warm-up pass), on
     torch's intra-op threads."""
-    buffer = probe_buffer() if buffer is None else buffer
+    buffer = probe_buffer(ops=ops) if buffer is None else buffer
     nbytes = buffer.numel() * buffer.element_size()
     ops.read_probe(buffer)
     rates = []

@@ -29,7 +29,7 @@ from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
 from pagecli.engine.hashing import root_hash
-from pagecli.engine.heap import keep_freed_activations
+from pagecli.engine.heap import keep_freed_activations, return_freed_load_memory
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
 from pagecli.engine.pool_sizing import pool_num_blocks
@@ -113,6 +113,8 @@ class Engine:
         spec = loaded.spec
         cpu_ops = self._cpu_ops(progress)
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
+        # The greedy token of each row by the CPU kernels (the logits come to the CPU either way).
+        self._greedy_tokens = cpu_ops.greedy_tokens if cpu_ops is not None else None
         if cpu_ops is not None:
             loaded.model.use_cpu_ops(cpu_ops, quantize=self.config.quantize)
         else:
@@ -131,6 +133,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         if loaded.device.type == "cpu":
+            return_freed_load_memory()  # what loading freed, before the heap starts keeping activations
             keep_freed_activations()  # weights and KV pool in place: activations' memory stays for the next step
         self._warned_no_chat_template = False
         self.disk = self._open_disk_tier()
@@ -328,7 +331,7 @@ class Engine:
         sampled, logits, ended = self.beams.take_rows(sampled, logits)
         events = [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
-        for seq, token_id in zip(sampled, sample(logits, sampled)):
+        for seq, token_id in zip(sampled, sample(logits, sampled, self._greedy_tokens)):
             events.append(self._on_token(seq, token_id))
             if seq.grammar is not None and len(self.scheduler.running) == 1:
                 events.extend(self._forced_tokens(seq))

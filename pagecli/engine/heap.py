@@ -23,14 +23,34 @@ TRIM_THRESHOLD = (1 << 31) - 1  # return the heap's free top to the system only 
 
 
 @functools.lru_cache(maxsize=1)
-def keep_freed_activations() -> bool:
-    """Raise glibc's thresholds once per process; False where the C library is not glibc."""
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # only glibc has it (and these mallopt parameters)
+        libc.gnu_get_libc_version  # only glibc has it (and mallopt's parameters, malloc_trim)
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+@functools.lru_cache(maxsize=1)
+def keep_freed_activations() -> bool:
+    """Raise glibc's thresholds once per process; False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def return_freed_load_memory() -> bool:
+    """Give the system back the heap pages that loading freed: the row-layout weights a model read
+    before its products were packed into memory of their own (pagecli/native/weight_memory.h), which
+    glibc otherwise keeps wherever later blocks sit above them (140 MB of the embedded model's 590 MB).
+    False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)  # 1 if it returned any memory, 0 if there was none to return
+    return True

@@ -40,6 +40,9 @@ class ModelRunner:
             spec.num_layers, 2, *fmt.cache_shape(num_blocks, block_size, spec.num_kv_heads),
             dtype=fmt.storage_dtype, device=loaded.device,
         )
+        cpu_ops = getattr(backend, "cpu_ops", None)
+        if cpu_ops is not None:
+            cpu_ops.advise_huge_pages(self.kv_caches)  # 2 MB pages as it is written (weight_memory.h)
 
     @property
     def kv_bytes(self) -> int:
@@ -80,7 +83,10 @@ class ModelRunner:
         """Forward one step; returns logits [num_sampled, vocab] in scheduled order."""
         inputs = self.prepare(scheduled)
         hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
-        return self.loaded.model.compute_logits(hidden[inputs.sample_indices])
+        # The indices increase, so as many as there are rows means every row (a decode step): no gather.
+        if inputs.sample_indices.numel() != hidden.shape[0]:
+            hidden = hidden[inputs.sample_indices]
+        return self.loaded.model.compute_logits(hidden)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Run copy-on-write copies, (source, destination) block ids, before the step that writes them."""

@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
             [self._layer_tensors(layer) for layer in layers],
             products if all(p is not None for layer in products for p in layer) else [],
             self.model.norm.weight, self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads,
-            self.spec.head_dim, self.spec.rms_norm_eps, layers[0].self_attn.scale,
+            self.spec.head_dim, self.spec.rms_norm_eps, layers[0].self_attn.scale, native.decode_team_wanted(),
         )
 
     @staticmethod

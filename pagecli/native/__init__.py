@@ -52,6 +52,8 @@ _SOURCES = tuple(_HERE / name for name in (
     "quant_int8.cpp",         # int8 weights: packed AVX512-BF16 kernel, AVX2 kernel
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
+    "greedy.cpp",             # the greedy token of each logits row
+    "weight_memory.cpp",      # packed weights (and the KV pool) in 2 MB pages
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
@@ -59,7 +61,7 @@ _SOURCES = tuple(_HERE / name for name in (
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
     "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
-    "work_share.h", "read_probe.h",
+    "work_share.h", "read_probe.h", "weight_memory.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends
@@ -84,6 +86,33 @@ def packed_gemm_wanted(ops: ModuleType) -> bool:
     if os.environ.get(PACKED_GEMM_VAR, "1").strip().lower() in _OFF:
         return False
     return bool(ops.has_packed_linear()) and not ops.has_amx()
+
+
+DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"
+HUGE_PAGES_VAR = "PAGECLI_HUGE_PAGES"
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def weight_pages() -> str:
+    """In words, the pages packed weights get (weight_memory.h): 2 MB where Linux's transparent huge
+    pages are on in `always` or `madvise` mode and PAGECLI_HUGE_PAGES is not 0."""
+    if os.environ.get(HUGE_PAGES_VAR, "1").strip().lower() in _OFF:
+        return f"4 KB pages ({HUGE_PAGES_VAR}=0)"
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError:
+        return "4 KB pages (no transparent huge pages on this system)"
+    mode = setting[setting.find("[") + 1 : setting.find("]")] if "[" in setting else setting.strip()
+    if mode == "never":
+        return "4 KB pages (transparent huge pages are off: `never` in " + str(THP_SETTING) + ")"
+    return f"2 MB pages where the kernel has them free (transparent huge pages: {mode}; {HUGE_PAGES_VAR}=0 turns them off)"
+
+
+def decode_team_wanted() -> bool:
+    """Whether DecodeStep runs a step of a few rows in one parallel region (decode_step.h's
+    forward_team) where it can, unless PAGECLI_DECODE_TEAM=0 keeps a region per kernel (for A/B
+    runs; the results are the same bits either way)."""
+    return os.environ.get(DECODE_TEAM_VAR, "1").strip().lower() not in _OFF
 
 
 @functools.lru_cache(maxsize=1)

@@ -245,7 +245,7 @@ inline std::vector<int64_t> balanced_runs(const std::vector<int64_t>& costs, int
 // other. fn(cursor) runs once per thread and takes items with cursor.next() until it returns -1.
 template <typename Fn>
 void parallel_for_by_cost(const std::vector<int64_t>& costs, const Fn& fn) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), costs.size()));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(work_threads(), costs.size()));
   parallel_shared(balanced_runs(costs, parts), fn);
 }
 

@@ -10,6 +10,7 @@
 #include "quant_int8.h"
 #include "read_probe.h"
 #include "simd.h"
+#include "weight_memory.h"
 #include "work_share.h"
 
 #include <memory>
@@ -27,6 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &pagecli::add_rms_norm, "h += delta (optional), then weight * rms_norm(h)");
   m.def("rotary_", &pagecli::rotary_, "Rotary embedding in place (rotate-half layout)");
   m.def("silu_mul", &pagecli::silu_mul, "silu(gate) * up from a fused gate_up output");
+  m.def("advise_huge_pages", &pagecli::advise_huge_pages,
+        "Asks for 2 MB pages for the whole 2 MB runs of a tensor's memory (the KV pool); returns the bytes advised");
+  m.def("weight_zeros", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return pagecli::weight_zeros(sizes, dtype); },
+        "A zero-filled tensor in the packed weights' memory (2 MB pages where Linux gives them)");
+  m.def("greedy_tokens", &pagecli::greedy_tokens, "Each row's first index of its largest logit (torch.max's)");
   m.def("has_bf16_linear", &pagecli::has_bf16_linear, "Whether linear_bf16_rows was built");
   m.def("linear", &pagecli::native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");
   m.def("has_amx", &pagecli::has_amx, "Whether linear_bf16_amx was built and the OS grants AMX tiles");
@@ -73,13 +79,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Reads a buffer once on every thread (the read bandwidth's probe); returns the XOR of its 64-bit words");
   m.def("shared_work_takers", &pagecli::shared_work_takers,
         "Which thread's share took each unit when the owner of one share starts late (tests of work_share.h)");
+  m.def("team_work_takers", &pagecli::team_work_takers,
+        "Which team member took each unit of several regions in one run_team; a member may fail (tests of work_share.h)");
   m.def("int8_linear_kind", &pagecli::int8_linear_kind, "Which int8 kernel this build runs: avx512_vnni, avx2 or ''");
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");
 #endif
   pybind11::class_<pagecli::DecodeStep>(m, "DecodeStep", pybind11::module_local())
       .def(pybind11::init<std::vector<pagecli::DecodeStep::Layer>, std::vector<pagecli::DecodeStep::PackedLayer>, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())
+      .def("runs_as_team", &pagecli::DecodeStep::runs_as_team,
+           "Whether a step of this many bf16 rows runs in one team (DecodeStep::forward_team)")
       .def("forward", &pagecli::DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "One decode step through every layer; returns the final norm's output");
 }

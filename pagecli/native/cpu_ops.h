@@ -56,5 +56,13 @@ torch::Tensor native_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// The same two into tensors the caller made and checked (contiguous, matching shapes and dtype):
+// h += delta (when not null), out = weight * rms_norm(h); out [rows, inter] = silu(gate) * up.
+void add_rms_norm_into(torch::Tensor& h, const torch::Tensor* delta, const torch::Tensor& weight, torch::Tensor& out,
+                       double eps);
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
+
+// greedy.cpp: per row of logits [rows, vocab], the first index of its largest value (torch.max's).
+std::vector<int64_t> greedy_tokens(const torch::Tensor& logits);
 
 }  // namespace pagecli

@@ -44,7 +44,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const float fscale = static_cast<float>(scale);
 
   const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, CHUNKS > 0 ? 16 : 0,
-                          at::get_num_threads(), false);
+                          work_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task
@@ -190,7 +190,7 @@ void paged_decode_amx(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t slot_stride = kv_heads * dim;
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
-  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 32, at::get_num_threads(), true);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 32, work_threads(), true);
   // With blocks of a multiple of 16 tokens, a 16-token tile lies in one block: tile loads read its
   // K rows in place (rows past the context are read but their scores dropped).
   const bool k_in_place = block_size % 16 == 0;

@@ -199,7 +199,7 @@ void decode_bf16_impl(torch::Tensor& out, const torch::Tensor& query, const torc
   const int64_t slot_stride = kv_heads * row_elems;
   const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
 
-  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, work_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task

@@ -36,7 +36,7 @@ void decode_tiled_impl(torch::Tensor& out, const torch::Tensor& query, const tor
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, at::get_num_threads(), false);
+  const DecodeTasks tasks(tables, max_blocks, lens, num_seqs, block_size, kv_heads, 16, work_threads(), false);
   const int64_t heads_per_task = tasks.heads_per_task;
   tasks.run_for_each([&](SharedWork::Cursor& cursor) {
     const int64_t width = heads_per_task * group;  // query heads of one sequence in a task

@@ -21,7 +21,8 @@ torch::Tensor rms_norm_like_torch(const torch::Tensor& x, const torch::Tensor& w
 }  // namespace
 
 DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
-                       torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+                       torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                       bool team)
     : layers_(std::move(layers)), packed_(std::move(packed)), final_norm_(std::move(final_norm)),
       cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), eps_(eps), scale_(scale) {
@@ -37,6 +38,10 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
     TORCH_CHECK(layer.size() == 4 && layer[0] && layer[1] && layer[2] && layer[3],
                 "DecodeStep: each packed layer needs its 4 products");
   }
+  team_ready_ = team && !packed_.empty();
+  for (const auto& layer : packed_) {
+    for (const auto& p : layer) team_ready_ = team_ready_ && p->runs_into();
+  }
 }
 
 torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
@@ -50,6 +55,9 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == h.size(0),
               "slots must be contiguous int64, one per row");
   const int64_t rows = h.size(0);
+  if (runs_as_team(rows) && h.scalar_type() == torch::kBFloat16) {
+    return forward_team(h, positions, kv_caches, block_tables, seq_lens, slots);
+  }
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   c10::optional<torch::Tensor> delta;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -84,6 +92,75 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
   return add_rms_norm(h, delta, final_norm_, eps_);
 }
 
+
+torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
+                                       const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                       const torch::Tensor& slots) const {
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  const int64_t inter = packed_[0][2]->out_features() / 2;
+  const bool quantized = is_quantized_kv(kv_caches.scalar_type());
+  // Everything a layer writes, made once: x (a norm's output), qkv, attn, delta (what attention or
+  // the MLP adds to h), gate_up, act (silu(gate) * up).
+  auto x = torch::empty({rows, hidden}, h.options());
+  auto qkv = torch::empty({rows, q_size + 2 * kv_size}, h.options());
+  auto attn = torch::empty({rows, q_size}, h.options());
+  auto delta = torch::empty({rows, hidden}, h.options());
+  auto gate_up = torch::empty({rows, 2 * inter}, h.options());
+  auto act = torch::empty({rows, inter}, h.options());
+  auto out = torch::empty({rows, hidden}, h.options());
+  auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+  auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+  auto attn3 = attn.view({rows, num_heads_, head_dim_});
+  std::vector<torch::Tensor> k_caches, v_caches;
+  for (int64_t i = 0; i < kv_caches.size(0); ++i) {
+    auto layer = kv_caches.select(0, i);
+    k_caches.push_back(layer.select(0, 0));
+    v_caches.push_back(layer.select(0, 1));
+  }
+  for (const auto& layer : packed_) {
+    const int64_t n[] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
+    for (int which = 0; which < 4; ++which) {
+      TORCH_CHECK(layer[which]->out_features() == n[which], "DecodeStep: a product's shape differs from the model's");
+    }
+  }
+  run_team([&](Team& team, int64_t rank) {
+    auto on_rank0 = [&](auto&& step) {  // a step of the layer that one thread does, the team then in step
+      if (rank == 0) step();
+      team.barrier();
+    };
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& w = layers_[i];
+      const PackedLayer& p = packed_[i];
+      on_rank0([&] { add_rms_norm_into(h, i == 0 ? nullptr : &delta, *w[0], x, eps_); });
+      p[0]->forward_into(x, qkv);
+      on_rank0([&] {
+        if (w[3].has_value()) {  // Qwen3's q/k norms, as the Python layer computes them, into qkv
+          q.copy_(rms_norm_like_torch(q, *w[3], eps_));
+          k.copy_(rms_norm_like_torch(k, *w[4], eps_));
+        }
+        rotary_(q, positions, cos_, sin_);
+        rotary_(k, positions, cos_, sin_);
+        if (quantized) {
+          store_kv_quantized(k, k_caches[i], slots);
+          store_kv_quantized(v, v_caches[i], slots);
+        } else {
+          store_rows(k, k_caches[i], slots);
+          store_rows(v, v_caches[i], slots);
+        }
+      });
+      paged_decode_attention(attn3, q, k_caches[i], v_caches[i], block_tables, seq_lens, scale_);
+      p[1]->forward_into(attn, delta);
+      on_rank0([&] { add_rms_norm_into(h, &delta, *w[7], x, eps_); });
+      p[2]->forward_into(x, gate_up);
+      on_rank0([&] { silu_mul_into(gate_up, act); });
+      p[3]->forward_into(act, delta);
+    }
+    on_rank0([&] { add_rms_norm_into(h, &delta, final_norm_, out, eps_); });
+  });
+  return out;
+}
 
 torch::Tensor DecodeStep::product(size_t layer, int which, const torch::Tensor& x) const {
   if (!packed_.empty()) return packed_[layer][which]->forward(x);

@@ -28,8 +28,11 @@ class DecodeStep {
   // every product by native_linear over Layer's weights.
   using PackedLayer = std::vector<std::shared_ptr<PackedProduct>>;
 
+  // team: run steps of up to kTeamRows rows in one parallel region where the products allow
+  // (forward_team below; pagecli.native.decode_team_wanted, PAGECLI_DECODE_TEAM).
   DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
-             torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+             torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+             bool team);
 
   // h [rows, hidden] (the embeddings; used as the residual stream), positions [rows] int64,
   // kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype, or int8/fp8
@@ -38,9 +41,23 @@ class DecodeStep {
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                         torch::Tensor seq_lens, torch::Tensor slots) const;
 
+  // Whether forward() runs a step of `rows` bf16 rows as one team (forward_team below).
+  bool runs_as_team(int64_t rows) const { return team_ready_ && rows <= kTeamRows; }
+
  private:
   // Product `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`, as the Python layer runs it.
   torch::Tensor product(size_t layer, int which, const torch::Tensor& x) const;
+
+  // forward() for up to kTeamRows rows when every product runs_into(): the same kernels in the same
+  // order, in one parallel region (run_team, work_share.h) over buffers made once per call. The
+  // products and attention share out their units among the team; norms, rotary, the cache stores
+  // and SiLU run on rank 0 while the others wait at a barrier. For one stream this takes the ~150
+  // forks and joins and the ~25 tensor allocations and dispatches per layer out of every token.
+  torch::Tensor forward_team(torch::Tensor& h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                             const torch::Tensor& slots) const;
+  static constexpr int64_t kTeamRows = 8;
+  bool team_ready_ = false;  // every layer packed, every product runs_into()
 
   // cache slot slots[t] of [blocks, block_size, kv_heads, head_dim] = rows[t] (an index_copy_).
   void store_rows(const torch::Tensor& rows, torch::Tensor& cache, const torch::Tensor& slots) const;

@@ -81,6 +81,11 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
   return out;
 }
 
+void add_rms_norm_into(torch::Tensor& h, const torch::Tensor* delta, const torch::Tensor& weight, torch::Tensor& out,
+                       double eps) {
+  PAGECLI_DISPATCH(h.scalar_type(), "add_rms_norm", [&] { add_rms_norm_impl<scalar_t>(h, delta, weight, out, eps); });
+}
+
 // Rotary embedding in place on x [tokens, heads, head_dim] (rows may be strided views of the qkv
 // output): the rotate-half layout, x * cos + rotate_half(x) * sin with fp32 tables.
 template <typename scalar_t>
@@ -156,6 +161,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   PAGECLI_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] { silu_mul_impl<scalar_t>(gate_up, out); });
   return out;
+}
+
+void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out) {
+  PAGECLI_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] { silu_mul_impl<scalar_t>(gate_up, out); });
 }
 
 }  // namespace pagecli

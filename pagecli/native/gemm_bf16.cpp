@@ -24,6 +24,7 @@
 // tile height that served it or the thread count; so a row's result never depends on its batch.
 
 #include "gemm_bf16.h"
+#include "weight_memory.h"
 #include "work_share.h"
 
 #include <ATen/ATen.h>
@@ -152,7 +153,7 @@ at::Tensor pack_bf16_weights(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N > 0 && K > 0, "pack_bf16_weights needs a non-empty weight");
   const int64_t num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
-  auto packed = at::zeros({num_panels, k_pairs, kPanelCols, 2}, w.options());  // [num_panels, k_pairs, 48, 2]
+  auto packed = weight_zeros({num_panels, k_pairs, kPanelCols, 2}, w.scalar_type());  // [num_panels, k_pairs, 48, 2]
   pack_into_panels(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
                    reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K);
   return packed;
@@ -165,10 +166,11 @@ at::Tensor pack_bf16_weights(const at::Tensor& w) {
 namespace {
 
 // y [M, N] = xc [M, K] (contiguous) @ the packed weights (+ bias, fp32 padded to whole panels).
-at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
+// y [M, N] (contiguous) = xc [M, K] @ w^T (+ bias); allocates nothing (a Team's members all run it).
+void packed_product_into(const at::Tensor& xc, const at::Tensor& packed, const float* bp, int64_t N, int64_t K,
+                         at::Tensor& y) {
   const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
-  auto y = at::empty({M, N}, xc.options());  // [M, N]
-  if (M == 0) return y;
+  if (M == 0) return;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -226,6 +228,11 @@ at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const 
       }
     }
   });
+}
+
+at::Tensor packed_product(const at::Tensor& xc, const at::Tensor& packed, const float* bp, int64_t N, int64_t K) {
+  auto y = at::empty({xc.size(0), N}, xc.options());  // [M, N]
+  packed_product_into(xc, packed, bp, N, K, y);
   return y;
 }
 
@@ -313,6 +320,20 @@ at::Tensor PackedLinear::forward(const at::Tensor& x) const {
   return y.view(shape);
 #else
   TORCH_CHECK(false, "PackedLinear needs AVX512-BF16, which this build lacks (has_packed_linear() is false)");
+#endif
+}
+
+void PackedProduct::forward_into(const at::Tensor&, at::Tensor&) const {
+  TORCH_CHECK(false, "this product has no forward_into (runs_into() is false)");
+}
+
+bool PackedLinear::runs_into() const { return PAGECLI_HAVE_PACKED_GEMM; }
+
+void PackedLinear::forward_into(const at::Tensor& x, at::Tensor& y) const {
+#if PAGECLI_HAVE_PACKED_GEMM
+  packed_product_into(x, panels_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_, K_, y);
+#else
+  PackedProduct::forward_into(x, y);
 #endif
 }
 

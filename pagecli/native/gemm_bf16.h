@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Optional.h>
 
+#include "work_share.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -26,7 +28,7 @@ struct RowGroups {
 };
 
 inline RowGroups split_row_blocks(int64_t num_panels, int64_t row_blocks) {
-  const int64_t wanted_units = 4 * at::get_num_threads();
+  const int64_t wanted_units = 4 * work_threads();
   int64_t groups = 1;
   if (row_blocks > 4 && num_panels < wanted_units) groups = std::min(row_blocks, ceil_div(wanted_units, num_panels));
   const int64_t blocks_per_group = ceil_div(row_blocks, groups);
@@ -78,6 +80,12 @@ class PackedProduct {
   virtual ~PackedProduct() = default;
   // x [..., K] -> x @ w^T (+ bias) [..., N]
   virtual at::Tensor forward(const at::Tensor& x) const = 0;
+  virtual int64_t out_features() const = 0;  // N
+  // Whether forward_into runs: y [M, N] = x [M, K] @ w^T (+ bias), both contiguous bf16 of those
+  // shapes (the caller checks), computed without allocating and through parallel_shared only, so a
+  // Team's members can run it together (work_share.h).
+  virtual bool runs_into() const { return false; }
+  virtual void forward_into(const at::Tensor& x, at::Tensor& y) const;
 };
 
 // One bf16 weight [N, K] (and bias) packed once at load: the engine's form of a Linear on levels
@@ -89,11 +97,13 @@ class PackedLinear : public PackedProduct {
 
   // x [..., K] bf16 -> [..., N] bf16, as linear_bf16_packed (the same bits for a row in any batch).
   at::Tensor forward(const at::Tensor& x) const override;
+  bool runs_into() const override;
+  void forward_into(const at::Tensor& x, at::Tensor& y) const override;
   // w[ids]: gather_packed_rows over these panels.
   at::Tensor rows(const at::Tensor& ids) const;
 
   const at::Tensor& panels() const { return panels_; }
-  int64_t out_features() const { return N_; }
+  int64_t out_features() const override { return N_; }
   int64_t in_features() const { return K_; }
 
  private:

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "weight_memory.h"
 #include "work_share.h"
 
 // Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
@@ -57,7 +58,7 @@ constexpr int64_t kBlockBytes = 2 * kPanelCols * 2 + kDataBytes;  // 960: scales
 // q [N, K] uint8, scale/min [N, groups] fp16 -> the panel blocks (layout above), zero past N and K.
 at::Tensor pack_int4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min) {
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1), num_panels = ceil_div(N, kPanelCols);
-  auto packed = at::zeros({num_panels, groups, kBlockBytes}, q.options());  // [panels, groups, 960]
+  auto packed = weight_zeros({num_panels, groups, kBlockBytes}, q.scalar_type());  // [panels, groups, 960]
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
@@ -189,7 +190,7 @@ at::Tensor group_sums(const at::Tensor& xp, int64_t groups) {
 // q [N, K] uint8 -> [N, groups * 16]: byte i of group g = q[32 g + i] | q[32 g + 16 + i] << 4, zero past K.
 at::Tensor pack_rows(const at::Tensor& q, int64_t groups) {
   const int64_t N = q.size(0), K = q.size(1);
-  auto packed = at::zeros({N, groups * kInt4Group / 2}, q.options());  // [N, groups * 16]
+  auto packed = weight_zeros({N, groups * kInt4Group / 2}, q.scalar_type());  // [N, groups * 16]
   const uint8_t* qp = q.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {

@@ -39,7 +39,7 @@ class PackedLinearInt4 : public PackedProduct {
   const at::Tensor& weights() const { return weights_; }  // the packed blocks (uint8)
   // AVX2: the (scale, min) pairs kept beside the rows; AVX512-VNNI: empty (inside the blocks).
   at::Tensor scales() const;
-  int64_t out_features() const { return N_; }
+  int64_t out_features() const override { return N_; }
   int64_t in_features() const { return K_; }
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 

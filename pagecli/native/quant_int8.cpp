@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "weight_memory.h"
 #include "work_share.h"
 
 // Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
@@ -63,7 +64,7 @@ constexpr int64_t kQuadBytes = kPanelCols * 4;    // 192: one k quad of a panel
 // q [N, K] int8 -> uint8 [ceil(N / 48), Kp / 4, 48, 4] of q + 128 (layout above).
 at::Tensor pack_int8(const at::Tensor& q) {
   const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelCols), quads = act_padded_k(K) / 4;
-  auto packed = at::full({num_panels, quads, kPanelCols, 4}, 128, q.options().dtype(at::kByte));
+  auto packed = weight_zeros({num_panels, quads, kPanelCols, 4}, at::kByte).fill_(128);
   const int8_t* src = q.data_ptr<int8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -240,7 +241,7 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
     return;
   }
 #endif
-  weights_ = q;
+  weights_ = weight_copy(q);
   scale_ = scale.contiguous();
 }
 

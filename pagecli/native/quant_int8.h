@@ -34,7 +34,7 @@ class PackedLinearInt8 : public PackedProduct {
   at::Tensor forward(const at::Tensor& x) const override;
 
   const at::Tensor& weights() const { return weights_; }  // the packed (or row-layout) int8 weights
-  int64_t out_features() const { return N_; }
+  int64_t out_features() const override { return N_; }
   int64_t in_features() const { return K_; }
   const at::Tensor& scales() const { return scale_; }  // the weight scales as the kernel reads them (bf16)
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"

@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -27,8 +29,14 @@ namespace pagecli {
 // bounds[0] = 0 <= bounds[1] <= ... <= bounds[parts] = units: share r is units [bounds[r], bounds[r + 1]).
 class SharedWork {
  public:
-  explicit SharedWork(std::vector<int64_t> bounds)
-      : bounds_(std::move(bounds)), parts_(static_cast<int64_t>(bounds_.size()) - 1), next_(new Counter[parts_]) {
+  SharedWork() = default;
+  explicit SharedWork(std::vector<int64_t> bounds) { reset(std::move(bounds)); }
+
+  // Starts over on new shares (a Team's next region), keeping the counters' memory when it suffices.
+  void reset(std::vector<int64_t> bounds) {
+    bounds_ = std::move(bounds);
+    parts_ = static_cast<int64_t>(bounds_.size()) - 1;
+    if (parts_ > capacity_) next_.reset(new Counter[capacity_ = parts_]);
     for (int64_t r = 0; r < parts_; ++r) next_[r].unit.store(bounds_[r], std::memory_order_relaxed);
   }
 
@@ -75,9 +83,72 @@ class SharedWork {
     std::atomic<int64_t> unit;
   };
   std::vector<int64_t> bounds_;
-  int64_t parts_;
+  int64_t parts_ = 0, capacity_ = 0;
   std::unique_ptr<Counter[]> next_;
 };
+
+// ---- A team: one parallel region kept open over many kernels -----------------------------------
+// A decode step of one sequence runs about 150 products and attention calls of 20-300 us each; as
+// separate parallel regions, each pays a fork and a join, and the worker threads idle through the
+// tensor bookkeeping between them. DecodeStep (decode_step.cpp) instead opens one region for the
+// whole step (run_team): its threads run the layer loop together, each kernel's parallel_shared
+// handing out the units of one shared SharedWork to all of them, with a barrier before (rank 0 has
+// set the shares) and after (every unit is done); the steps between kernels run on rank 0 alone.
+// Every thread must make the same calls in the same order, and the units are the same as in a
+// region of their own, so results are bit-identical to the separate regions.
+class Team {
+ public:
+  explicit Team(int64_t size) : size_(size) {}
+  int64_t size() const { return size_; }
+
+  // Returns when every member has called it; throws TeamAborted once a member has failed (fail()).
+  void barrier();
+  // A member's error: the others leave at their next barrier, and run_team rethrows it.
+  void fail(std::exception_ptr error);
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::exception_ptr error() const { return error_; }
+
+  // parallel_shared inside the team: every member calls it with the same bounds.
+  template <typename Fn>
+  void share(std::vector<int64_t> bounds, int64_t rank, const Fn& fn) {
+    if (bounds.back() == 0) return;
+    if (rank == 0) work_.reset(std::move(bounds));
+    barrier();
+    {
+      SharedWork::Cursor cursor(work_, rank % work_.parts());  // members past the shares only take over
+      fn(cursor);
+    }
+    barrier();
+  }
+
+  struct Aborted {};  // thrown by barrier() in the members that did not fail
+
+ private:
+  const int64_t size_;
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+  std::atomic<bool> failed_{false};
+  std::atomic_flag error_taken_ = ATOMIC_FLAG_INIT;
+  std::exception_ptr error_;
+  SharedWork work_;
+};
+
+// The team this thread is a member of (null outside run_team) and its rank there.
+struct TeamSeat {
+  Team* team = nullptr;
+  int64_t rank = 0;
+};
+TeamSeat& team_seat();
+
+// The threads a kernel shares its work over: the team's inside run_team, else ATen's.
+inline int64_t work_threads() {
+  const TeamSeat& seat = team_seat();
+  return seat.team ? seat.team->size() : at::get_num_threads();
+}
+
+// Runs body(team, rank) on every thread of one parallel region (ATen's thread count), as a Team;
+// rethrows the first member's error after all have left.
+void run_team(const std::function<void(Team&, int64_t)>& body);
 
 // The split at::parallel_for makes of [0, units) over `parts` threads: equal runs of consecutive units.
 inline std::vector<int64_t> even_bounds(int64_t units, int64_t parts) {
@@ -93,6 +164,7 @@ inline std::vector<int64_t> even_bounds(int64_t units, int64_t parts) {
 // configuration) goes before the loop, once.
 template <typename Fn>
 void parallel_shared(std::vector<int64_t> bounds, const Fn& fn) {
+  if (const TeamSeat& seat = team_seat(); seat.team) return seat.team->share(std::move(bounds), seat.rank, fn);
   if (bounds.back() == 0) return;  // no units
   SharedWork work(std::move(bounds));
   at::parallel_for(0, work.parts(), 1, [&](int64_t begin, int64_t /*end*/) {
@@ -105,7 +177,7 @@ void parallel_shared(std::vector<int64_t> bounds, const Fn& fn) {
 template <typename Fn>
 void parallel_shared(int64_t units, const Fn& fn, int64_t grain = 1) {
   if (units <= 0) return;
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
+  const int64_t parts = std::min<int64_t>(work_threads(), (units + grain - 1) / grain);
   parallel_shared(even_bounds(units, parts), fn);
 }
 
@@ -124,5 +196,10 @@ void parallel_shared_items(int64_t count, int64_t per_unit, const Fn& fn) {
 // `delayed_part` starting `delay_ms` late, as one held off its core would; returns per unit the
 // share of the thread that took it (-2 where two threads took the same unit).
 std::vector<int64_t> shared_work_takers(int64_t units, int64_t delayed_part, int64_t delay_ms);
+
+// For the tests: `regions` parallel_shared calls of `units` units in one run_team; per region and
+// unit, the rank that took it (-1 never, -2 twice). Member `failing_rank` raises in region 1 (-1:
+// none): run_team then raises that error in the caller once every member has left.
+std::vector<int64_t> team_work_takers(int64_t units, int64_t regions, int64_t failing_rank);
 
 }  // namespace pagecli

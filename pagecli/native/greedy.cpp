@@ -1,0 +1,85 @@
+// The greedy choice: each row's first index of its largest logit, as torch.max(dim=-1) gives it. For
+// one stream it is a pass over a vocabulary-sized row per token (49,152 bf16 values for SmolLM2),
+// where torch's reduction, called from Python right after the output layer, took 50-180 us.
+
+#include "cpu_ops.h"
+#include "simd.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <limits>
+
+namespace pagecli {
+namespace {
+
+// The largest non-NaN value of row[0, n) and whether the row holds a NaN.
+template <typename scalar_t>
+float max_of_row(const scalar_t* row, int64_t n, bool& has_nan) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(best);
+  __mmask16 nan = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(row + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(v, acc);  // a NaN in v keeps acc (the second operand)
+  }
+  best = _mm512_reduce_max_ps(acc);
+  has_nan = nan != 0;
+#else
+  has_nan = false;
+#endif
+  for (; i < n; ++i) {
+    const float v = to_float(row[i]);
+    if (std::isnan(v)) {
+      has_nan = true;
+    } else if (v > best) {
+      best = v;
+    }
+  }
+  return best;
+}
+
+// The first index of `value` in row[0, n) (present: max_of_row found it there).
+template <typename scalar_t>
+int64_t first_index_of(const scalar_t* row, int64_t n, float value) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(value);
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (to_float(row[i]) == value) return i;
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::vector<int64_t> greedy_tokens(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0,
+              "logits must be a CPU [rows, vocab] tensor");
+  const torch::Tensor rows = logits.contiguous();
+  const int64_t count = rows.size(0), vocab = rows.size(1);
+  std::vector<int64_t> tokens(count);
+  PAGECLI_DISPATCH(rows.scalar_type(), "greedy_tokens", [&] {
+    const scalar_t* p = rows.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < count; ++r) {
+      const scalar_t* row = p + r * vocab;
+      bool has_nan = false;
+      const float best = max_of_row(row, vocab, has_nan);
+      // A NaN: whatever torch.max makes of it (it is not a case worth a path of its own).
+      tokens[r] = has_nan ? std::get<1>(rows[r].max(0)).item<int64_t>() : first_index_of(row, vocab, best);
+    }
+  });
+  return tokens;
+}
+
+}  // namespace pagecli
