@@ -77,7 +77,7 @@ def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
     for name, kind in (("int8", ops.int8_linear_kind()), ("int4", ops.int4_linear_kind())):
         assert f"{name} on {kind or 'the PyTorch reference'}" in line
     assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")
-    assert f"==> packed weights and the KV pool: {native.weight_pages()}" in out
+    assert f"==> weights: {native.weight_pages()}" in out
 
 
 @pytest.mark.parametrize(("setting", "env", "expected"), [

@@ -59,12 +59,3 @@ def test_huge_pages_can_be_turned_off(ops, monkeypatch):
     monkeypatch.setenv("PAGECLI_HUGE_PAGES", "0")
     t = ops.weight_zeros([1 << 20], torch.uint8)
     assert not t.any()
-    assert ops.advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8)) == 0
-
-
-def test_a_pool_is_advised_over_its_whole_2mb_runs(ops):
-    pool = torch.empty(9 << 20, dtype=torch.uint8)
-    advised = ops.advise_huge_pages(pool)
-    if advised == 0 and (not THP.exists() or "[never]" in THP.read_text()):
-        pytest.skip("transparent huge pages are off in this kernel")
-    assert advised % (2 << 20) == 0 and (6 << 20) <= advised <= (8 << 20)

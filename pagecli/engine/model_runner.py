@@ -40,9 +40,6 @@ class ModelRunner:
             spec.num_layers, 2, *fmt.cache_shape(num_blocks, block_size, spec.num_kv_heads),
             dtype=fmt.storage_dtype, device=loaded.device,
         )
-        cpu_ops = getattr(backend, "cpu_ops", None)
-        if cpu_ops is not None:
-            cpu_ops.advise_huge_pages(self.kv_caches)  # 2 MB pages as it is written (weight_memory.h)
 
     @property
     def kv_bytes(self) -> int:

@@ -189,6 +189,7 @@ class CausalLM(nn.Module):
                 self.model.embed_tokens.share_packed(self.output_packed)
             else:
                 self.output_packed = self.lm_head.packed
+        self._stream_weights_from_large_pages(ops)
         # Decode-only steps run the whole layer loop in C++: the same kernels in the same order as
         # forward() below, without the Python between them (a few ms per token for one stream).
         layers = self.model.layers
@@ -202,6 +203,18 @@ class CausalLM(nn.Module):
             self.model.norm.weight, self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads,
             self.spec.head_dim, self.spec.rms_norm_eps, layers[0].self_attn.scale, native.decode_team_wanted(),
         )
+
+    def _stream_weights_from_large_pages(self, ops: Any) -> None:
+        """Move the weights that products still read as they lie (AMX kernels, float32 models' and the
+        avx2 level's products, an unpacked output layer) into the packed weights' memory: 2 MB pages
+        (pagecli/native/weight_memory.h), as decode streams them once per token. One copy at a time,
+        each freed as it is replaced; the values are the same."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None and m.weight is not None]
+        for module in linears:
+            module.weight = nn.Parameter(_in_weight_memory(ops, module.weight.detach()), requires_grad=False)
+        if self.output_packed is None and self.spec.tie_word_embeddings and self.model.embed_tokens.weight is not None:
+            table = self.model.embed_tokens.weight
+            self.model.embed_tokens.weight = nn.Parameter(_in_weight_memory(ops, table.detach()), requires_grad=False)
 
     @staticmethod
     def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
@@ -252,3 +265,10 @@ class CausalLM(nn.Module):
         if self.output_packed is not None:
             return self.output_packed.forward(hidden)  # [num_selected, vocab]
         return linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]
+
+
+def _in_weight_memory(ops: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU tensor in pagecli.native's weight memory (2 MB pages where Linux gives them)."""
+    copy = ops.weight_zeros(list(tensor.shape), tensor.dtype)
+    copy.copy_(tensor)
+    return copy

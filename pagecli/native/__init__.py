@@ -53,7 +53,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
     "greedy.cpp",             # the greedy token of each logits row
-    "weight_memory.cpp",      # packed weights (and the KV pool) in 2 MB pages
+    "weight_memory.cpp",      # the weights decode streams, in 2 MB pages
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
@@ -94,7 +94,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def weight_pages() -> str:
-    """In words, the pages packed weights get (weight_memory.h): 2 MB where Linux's transparent huge
+    """In words, the pages the weights decode streams get (weight_memory.h): 2 MB where Linux's transparent huge
     pages are on in `always` or `madvise` mode and PAGECLI_HUGE_PAGES is not 0."""
     if os.environ.get(HUGE_PAGES_VAR, "1").strip().lower() in _OFF:
         return f"4 KB pages ({HUGE_PAGES_VAR}=0)"

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
           f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
     print(f"==> --quantize products: {quantized_kernels(ops)}")
-    print(f"==> packed weights and the KV pool: {native.weight_pages()}")
+    print(f"==> weights: {native.weight_pages()}")
     if "--bandwidth" in args:
         import torch
 

@@ -28,8 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &pagecli::add_rms_norm, "h += delta (optional), then weight * rms_norm(h)");
   m.def("rotary_", &pagecli::rotary_, "Rotary embedding in place (rotate-half layout)");
   m.def("silu_mul", &pagecli::silu_mul, "silu(gate) * up from a fused gate_up output");
-  m.def("advise_huge_pages", &pagecli::advise_huge_pages,
-        "Asks for 2 MB pages for the whole 2 MB runs of a tensor's memory (the KV pool); returns the bytes advised");
   m.def("weight_zeros", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return pagecli::weight_zeros(sizes, dtype); },
         "A zero-filled tensor in the packed weights' memory (2 MB pages where Linux gives them)");
   m.def("greedy_tokens", &pagecli::greedy_tokens, "Each row's first index of its largest logit (torch.max's)");

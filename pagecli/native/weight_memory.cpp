@@ -105,19 +105,4 @@ at::Tensor weight_copy(const at::Tensor& src) {
   return dst;
 }
 
-int64_t advise_huge_pages(const at::Tensor& t) {
-#ifdef MADV_HUGEPAGE
-  if (!huge_pages_wanted() || !t.device().is_cpu()) return 0;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel()) * t.element_size();
-  const uintptr_t first = round_up(begin, kHugePage), last = end / kHugePage * kHugePage;
-  if (last <= first) return 0;
-  if (madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) != 0) return 0;
-  return static_cast<int64_t>(last - first);
-#else
-  (void)t;
-  return 0;
-#endif
-}
-
 }  // namespace pagecli

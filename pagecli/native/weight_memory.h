@@ -8,8 +8,11 @@
 // alternating in one process). torch allocates weights in 4 KB pages unless THP_MEM_ALLOC_ENABLE is
 // set before it starts, and then only blocks of 2 MB and more.
 //
-// The packers put their panels here: small tensors share 64 MB regions (each advised once), large
-// ones get a region of their own; a region is unmapped when the last tensor in it is freed.
+// The packers put their panels here, and CausalLM.use_cpu_ops moves the weights products read as
+// they lie (AMX, float32 models, the avx2 level) here too: small tensors share 64 MB regions (each
+// advised once), large ones get a region of their own; a region is unmapped when the last tensor in
+// it is freed. The KV pool is left in 4 KB pages: one sequence touches every layer's K and V, and in
+// 2 MB pages its first token would make 120 MB of the embedded model's pool resident.
 // PAGECLI_HUGE_PAGES=0 allocates as torch does (for A/B runs); where madvise is refused, the pages
 // stay 4 KB and nothing else changes.
 
@@ -27,9 +30,5 @@ at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
 // src copied into weight_zeros memory (contiguous, same shape and dtype).
 at::Tensor weight_copy(const at::Tensor& src);
-
-// Asks for 2 MB pages for the whole 2 MB runs inside t's memory (a KV pool before it is written:
-// pages not yet touched are then faulted in as huge pages). Returns the bytes advised.
-int64_t advise_huge_pages(const at::Tensor& t);
 
 }  // namespace pagecli
