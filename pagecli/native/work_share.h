@@ -101,7 +101,7 @@ class Team {
   explicit Team(int64_t size) : size_(size) {}
   int64_t size() const { return size_; }
 
-  // Returns when every member has called it; throws TeamAborted once a member has failed (fail()).
+  // Returns when every member has called it; throws Aborted once a member has failed (fail()).
   void barrier();
   // A member's error: the others leave at their next barrier, and run_team rethrows it.
   void fail(std::exception_ptr error);
