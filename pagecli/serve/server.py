@@ -57,13 +57,19 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default backlog
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so a taken port is one clear sentence (uvicorn would exit)."""
+    """The listening socket, bound here so a taken port is one clear sentence (uvicorn would exit), and
+    listening from here on: a client that connects as soon as the server says where it listens waits
+    in the backlog until uvicorn accepts, instead of being refused in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         raise PagecliError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or "
