@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from pagecli.attention import AttentionMetadata
-from pagecli.bench.bandwidth import in_weight_memory
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine
 
@@ -75,7 +74,7 @@ def main() -> None:
     total = sum(w.numel() * w.element_size() for w in weights)
     flat = torch.cat([w.flatten() for w in weights])  # the same bytes, contiguous
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 32)]).view(torch.int64)  # whole 64-byte lines
-    flat = in_weight_memory(ops, flat)  # in the packed weights' kind of pages
+    flat = ops.weight_copy(flat)  # in the packed weights' kind of pages
     read = best_ms(lambda: ops.read_probe(flat))
     print(f"weights: {total / 1e6:.0f} MB; plain read (read_probe): {read:.2f} ms ({total / read / 1e6:.1f} GB/s)")
     for rows in ROWS:

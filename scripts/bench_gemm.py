@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagecli.bench.bandwidth import in_weight_memory
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine
 
@@ -76,7 +75,7 @@ def main() -> None:
     peak = FLOP_PER_CYCLE * args.ghz * args.threads  # GFLOP/s
     flat = torch.cat([w.flatten() for w in weights])  # the same bytes, contiguous
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 32)]).view(torch.int64)  # whole 64-byte lines
-    flat = in_weight_memory(ops, flat)  # in the packed weights' kind of pages
+    flat = ops.weight_copy(flat)  # in the packed weights' kind of pages
     print(f"threads: {args.threads}; weights {weight_bytes / 1e6:.0f} MB ({len(weights)} matrices), packed "
           f"{packed_bytes / 1e6:.0f} MB in {pack_s:.2f} s; bf16 peak assumed {peak:.0f} GF/s "
           f"({FLOP_PER_CYCLE} flop/cycle/core at {args.ghz} GHz)")

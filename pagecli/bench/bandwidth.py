@@ -16,16 +16,9 @@ DEFAULT_MIB = 512  # well past any L3 cache, so that every pass comes from memor
 def probe_buffer(mib: int = DEFAULT_MIB, ops: ModuleType | None = None) -> torch.Tensor:
     """A buffer of `mib` MiB whose pages are all written (a never-written page reads as the zero page,
     from cache, and would overstate the bandwidth); with `ops`, in the memory packed weights take
-    (ops.weight_zeros: 2 MB pages), so the loop reads as the products do."""
+    (ops.weight_copy: 2 MB pages), so the loop reads as the products do."""
     values = torch.arange(mib * 2**20 // 8, dtype=torch.int64)
-    return values if ops is None else in_weight_memory(ops, values)
-
-
-def in_weight_memory(ops: ModuleType, values: torch.Tensor) -> torch.Tensor:
-    """A copy of `values` in the packed weights' memory (weight_memory.h)."""
-    buffer = ops.weight_zeros(list(values.shape), values.dtype)
-    buffer.copy_(values)
-    return buffer
+    return values if ops is None else ops.weight_copy(values)
 
 
 def read_bandwidth(ops: ModuleType, repeats: int = 5, buffer: torch.Tensor | None = None) -> list[float]:

@@ -211,10 +211,10 @@ class CausalLM(nn.Module):
         each freed as it is replaced; the values are the same."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None and m.weight is not None]
         for module in linears:
-            module.weight = nn.Parameter(_in_weight_memory(ops, module.weight.detach()), requires_grad=False)
+            module.weight = nn.Parameter(ops.weight_copy(module.weight.detach()), requires_grad=False)
         if self.output_packed is None and self.spec.tie_word_embeddings and self.model.embed_tokens.weight is not None:
             table = self.model.embed_tokens.weight
-            self.model.embed_tokens.weight = nn.Parameter(_in_weight_memory(ops, table.detach()), requires_grad=False)
+            self.model.embed_tokens.weight = nn.Parameter(ops.weight_copy(table.detach()), requires_grad=False)
 
     @staticmethod
     def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
@@ -265,10 +265,3 @@ class CausalLM(nn.Module):
         if self.output_packed is not None:
             return self.output_packed.forward(hidden)  # [num_selected, vocab]
         return linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]
-
-
-def _in_weight_memory(ops: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU tensor in pagecli.native's weight memory (2 MB pages where Linux gives them)."""
-    copy = ops.weight_zeros(list(tensor.shape), tensor.dtype)
-    copy.copy_(tensor)
-    return copy

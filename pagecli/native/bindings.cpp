@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &pagecli::silu_mul, "silu(gate) * up from a fused gate_up output");
   m.def("weight_zeros", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return pagecli::weight_zeros(sizes, dtype); },
         "A zero-filled tensor in the packed weights' memory (2 MB pages where Linux gives them)");
+  m.def("weight_copy", &pagecli::weight_copy, "A contiguous copy of a CPU tensor in the packed weights' memory");
   m.def("greedy_tokens", &pagecli::greedy_tokens, "Each row's first index of its largest logit (torch.max's)");
   m.def("has_bf16_linear", &pagecli::has_bf16_linear, "Whether linear_bf16_rows was built");
   m.def("linear", &pagecli::native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");

@@ -42,6 +42,16 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
   for (const auto& layer : packed_) {
     for (const auto& p : layer) team_ready_ = team_ready_ && p->runs_into();
   }
+  if (team_ready_) {  // forward_team sizes its buffers from these
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_, hidden = final_norm_.numel();
+    const int64_t inter2 = packed_[0][2]->out_features();
+    for (const auto& layer : packed_) {
+      const int64_t n[] = {q_size + 2 * kv_size, hidden, inter2, hidden};
+      for (int which = 0; which < 4; ++which) {
+        TORCH_CHECK(layer[which]->out_features() == n[which], "DecodeStep: a product's shape differs from the model's");
+      }
+    }
+  }
 }
 
 torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
@@ -118,12 +128,6 @@ torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& po
     auto layer = kv_caches.select(0, i);
     k_caches.push_back(layer.select(0, 0));
     v_caches.push_back(layer.select(0, 1));
-  }
-  for (const auto& layer : packed_) {
-    const int64_t n[] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
-    for (int which = 0; which < 4; ++which) {
-      TORCH_CHECK(layer[which]->out_features() == n[which], "DecodeStep: a product's shape differs from the model's");
-    }
   }
   run_team([&](Team& team, int64_t rank) {
     auto on_rank0 = [&](auto&& step) {  // a step of the layer that one thread does, the team then in step
