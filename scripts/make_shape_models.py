@@ -15,6 +15,9 @@ SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
   smollm2-135m   30 layers, hidden 576, 9 heads / 3 kv heads, MLP 1536, tied embeddings: 0.13B
   smollm2-1.7b   24 layers, hidden 2048, 32 heads (no GQA), MLP 8192, tied embeddings: 1.71B
   qwen2.5-0.5b   24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, tied embeddings: 0.40B
+  llama2-7b      32 layers, hidden 4096, 32 heads (no GQA), head size 128, MLP 11008, its own output
+                 layer: 6.88B (Llama-2-7B's shape with this vocabulary; 13.8 GB of bf16, in shards of
+                 about 2 GB, built one at a time so that making it needs about 2 GB of memory)
 
 llama.cpp's converter also needs the `sentencepiece` package in the python that runs it.
 """
@@ -47,7 +50,13 @@ SHAPES = {
                          num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
                          max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=False,
                          mlp_bias=False),
+    "llama2-7b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+                      intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
+                      mlp_bias=False),
 }
+SHARD_BYTES = 2 * 1024**3  # past this a model is written in shards, each built and freed in turn
 VOCAB = 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -58,6 +67,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", hidden // heads)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,)}
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (VOCAB, hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({
@@ -72,23 +83,50 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def shard_names(shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """The file each tensor goes in: model.safetensors, or model-0000i-of-0000n.safetensors in order,
+    a new shard when the current one would pass SHARD_BYTES."""
+    shard_of: dict[str, int] = {}
+    shard, size = 0, 0
+    for key, shape in shapes.items():
+        nbytes = 2 * torch.Size(shape).numel()
+        if size and size + nbytes > SHARD_BYTES:
+            shard, size = shard + 1, 0
+        shard_of[key] = shard
+        size += nbytes
+    count = shard + 1
+    return {key: "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            for key, i in shard_of.items()}
+
+
 def make_model(name: str, out: Path, tokenizer_dir: Path) -> Path:
     folder = out / name
-    if (folder / "model.safetensors").is_file():
+    if (folder / "config.json").is_file():
         print(f"{name}: {folder} exists")
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     config = {**SHAPES[name], "vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
               "torch_dtype": "bfloat16", "use_cache": True}
     generator = torch.Generator().manual_seed(0)
-    tensors = {}
-    for key, shape in tensor_shapes(config).items():
-        if len(shape) == 1 and key.endswith("norm.weight"):
-            tensors[key] = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            tensors[key] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-    params = sum(t.numel() for t in tensors.values())
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shapes = tensor_shapes(config)
+    shards = shard_names(shapes)
+    params = 0
+    weight_map: dict[str, str] = {}
+    for file in dict.fromkeys(shards.values()):  # each shard built, written and freed in turn
+        tensors = {}
+        for key in (k for k, f in shards.items() if f == file):
+            shape = shapes[key]
+            if len(shape) == 1 and key.endswith("norm.weight"):
+                tensors[key] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[key] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+            params += tensors[key].numel()
+            weight_map[key] = file
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        del tensors
+    if len(set(shards.values())) > 1:
+        index = {"metadata": {"total_size": params * 2}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for file in TOKENIZER_FILES:
         if (tokenizer_dir / file).is_file():

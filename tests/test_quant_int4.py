@@ -68,6 +68,35 @@ def test_quantizing_rounds_each_weight_to_within_half_its_groups_step():
     assert not q[5].any() and torch.equal(dequantize_int4(q, scale, minimum)[5], w[5])
 
 
+def int4_by_definition(weight):
+    """quantize_int4 as first written: the tail group padded with NaN, left out of its min and max."""
+    w = weight.float()
+    n, k = w.shape
+    groups = -(-k // 32)
+    padded = torch.nn.functional.pad(w, (0, groups * 32 - k), value=float("nan")).view(n, groups, 32)
+    low = torch.where(padded.isnan(), torch.inf, padded).amin(dim=2)
+    high = torch.where(padded.isnan(), -torch.inf, padded).amax(dim=2)
+    minimum = low.half()
+    scale = ((high - minimum.float()) / 15).half()
+    step = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    q = torch.round((padded - minimum.float()[..., None]) / step[..., None]).clamp_(0, 15)
+    q = torch.nan_to_num(q, nan=0.0).view(n, groups * 32)[:, :k].to(torch.uint8).contiguous()
+    return q, scale, minimum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [32, 100, 1, 33, 128])
+def test_quantizing_gives_the_definitions_bits_and_leaves_the_weight_alone(dtype, in_features):
+    """The load's in-place, one-pass quantizer against the plain formula: same q, scales and minimums,
+    a tail group of 1 to 31 weights too."""
+    w = (torch.randn(29, in_features, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
+    w[4] = 0.01  # a flat row: every group's step is 0
+    before = w.clone()
+    got, expected = quantize_int4(w), int4_by_definition(w)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(w, before)
+
+
 def test_nibble_packing_round_trips_odd_widths():
     q = torch.randint(0, 16, (5, 33), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     assert torch.equal(unpack_nibbles(pack_nibbles(q), 33), q)

@@ -64,6 +64,31 @@ def test_quantizing_rounds_each_weight_to_within_half_its_blocks_step():
     assert scale[7, 0] < 1e-2 * scale[7, 1] and q[7, :64].abs().max() >= 120
 
 
+def int8_by_definition(weight):
+    """quantize_int8 as first written: |w| padded with zeros to whole blocks, its max per block / 127."""
+    w = weight.float()
+    n, k = w.shape
+    blocks = -(-k // 64)
+    wb = torch.nn.functional.pad(w, (0, blocks * 64 - k)).view(n, blocks, 64)
+    scale = (wb.abs().amax(dim=2) / 127).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wb / scale.float()[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, -1)[:, :k].contiguous(), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 100, 1, 128])
+def test_quantizing_gives_the_definitions_bits_and_leaves_the_weight_alone(dtype, in_features):
+    """The load's in-place, one-pass quantizer against the plain formula: same q and scales, tails too."""
+    w = (torch.randn(29, in_features, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
+    w[4] = 0
+    w[6, :1] = -0.5  # a block whose largest |w| is negative
+    before = w.clone()
+    got, expected = quantize_int8(w), int8_by_definition(w)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(w, before)
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_avx2_int8_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):

@@ -77,6 +77,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
+    quantized_as: str | None = None  # the --quantize its Linears got (CausalLM.quantize_layer), once
+
+    def fuse_projections(self) -> None:
+        """q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj (the checkpoint's names
+        are for loading): load_model does it as each layer's weights come in."""
+        self.self_attn.fuse_projections()
+        self.mlp.fuse_projections()
+
 
 class DecoderBody(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
@@ -87,7 +95,7 @@ class DecoderBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole decoder. Built with checkpoint module names; call fuse_projections() after loading."""
+    """The whole decoder. Built with checkpoint module names; load_model fuses each layer's projections."""
 
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -102,11 +110,6 @@ class CausalLM(nn.Module):
     source_folder: Path | None = None  # the folder load_model read (a GGUF's conversion names its file)
     output_packed: Any = None  # the output layer's PackedLinear (products run packed) or int8 product (--quantize)
 
-    def fuse_projections(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
-
     def quantize_weights(self, quantize: str, ops: Any = None) -> None:
         """--quantize int8 / int4 / gguf: the decoder layers' Linears as int8 with a scale per output
         channel and 64-block (pagecli.models.quantize), as 4-bit groups (quantize_int4) or on a GGUF
@@ -116,23 +119,42 @@ class CausalLM(nn.Module):
         kept for it, beside the output layer's int8 copy)."""
         if quantize == "none":
             return
-        check_quantize_device(quantize, self.model.norm.weight.device)
-        dtype = self.model.norm.weight.dtype
-        exact = keeps_float_activations(dtype)
-        int8_ops = ops if ops is not None and native_takes(ops.int8_linear_kind(), dtype) else None
-        int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
-        if quantize == "gguf":
-            self._use_gguf_blocks(int4_ops, int8_ops, exact)  # the output layer keeps the file's numbers
-            return
-        int4 = quantize == "int4"
+        int8_ops, _, exact = self._quantize_kernels(quantize, ops)
         for layer in self.model.layers:
+            self.quantize_layer(layer, quantize, ops)
+        self._gguf = None  # the file's blocks are all in: let the reader's mapping go
+        if quantize != "gguf":  # gguf: the output layer keeps the file's numbers
+            self._quantize_output(int8_ops, exact)
+
+    def quantize_layer(self, layer: DecoderLayer, quantize: str, ops: Any = None) -> None:
+        """One decoder layer's Linears as quantize_weights makes them. Called as each layer loads
+        (load_model's layer_ready), so a quantized model never holds all its float weights;
+        quantize_weights then passes the layers already done."""
+        if quantize == "none" or layer.quantized_as == quantize:
+            return
+        int8_ops, int4_ops, exact = self._quantize_kernels(quantize, ops)
+        if quantize == "gguf":
+            from pagecli.models import gguf_blocks
+
+            index = next(i for i, other in enumerate(self.model.layers) if other is layer)
+            gguf_blocks.use_gguf_products(layer, self._gguf_blocks().layer(index), int4_ops, int8_ops, exact)
+        else:
             for module in layer.modules():
                 if isinstance(module, Linear):
-                    if int4:
+                    if quantize == "int4":
                         module.quantize_int4(int4_ops, exact)
                     else:
                         module.quantize_int8(int8_ops, exact)
-        self._quantize_output(int8_ops, exact)
+        layer.quantized_as = quantize
+
+    def _quantize_kernels(self, quantize: str, ops: Any) -> tuple[Any, Any, bool]:
+        """(the int8 kernels, the int4 kernels, whether activations stay float) for this model's dtype:
+        ops where its kernels take the dtype, else None (the PyTorch reference); refused off the CPU."""
+        check_quantize_device(quantize, self.model.norm.weight.device)
+        dtype = self.model.norm.weight.dtype
+        int8_ops = ops if ops is not None and native_takes(ops.int8_linear_kind(), dtype) else None
+        int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
+        return int8_ops, int4_ops, keeps_float_activations(dtype)
 
     def _quantize_output(self, ops: Any, float_activations: bool) -> None:
         """The output layer as int8 (a scale per output channel and 64-block), as llama.cpp's quantized
@@ -146,17 +168,19 @@ class CausalLM(nn.Module):
         self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
         self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
 
-    def _use_gguf_blocks(self, int4_ops: Any, int8_ops: Any, float_activations: bool) -> None:
-        """--quantize gguf: the decoder products on the GGUF file's own Q4_0/Q4_1 (and Q8_0) blocks,
-        on the native kernels given (None: the PyTorch reference)."""
+    _gguf: Any = None  # --quantize gguf: the file's GgufBlocks while layers are put on them
+
+    def _gguf_blocks(self) -> Any:
+        """--quantize gguf: the GGUF file this model was converted from, opened once for all its layers."""
         from pagecli.models import gguf_blocks
 
-        source = gguf_blocks.gguf_source(self.source_folder) if self.source_folder is not None else None
-        if source is None:
-            raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
-                               "loaded from a .gguf file (use int8 or int4).")
-        products = gguf_blocks.layer_products(source, self.spec.num_heads, self.spec.num_kv_heads)
-        gguf_blocks.use_gguf_products(self.model.layers, products, int4_ops, int8_ops, float_activations)
+        if self._gguf is None:
+            source = gguf_blocks.gguf_source(self.source_folder) if self.source_folder is not None else None
+            if source is None:
+                raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
+                                   "loaded from a .gguf file (use int8 or int4).")
+            self._gguf = gguf_blocks.GgufBlocks(source, self.spec.num_heads, self.spec.num_kv_heads)
+        return self._gguf
 
     def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with

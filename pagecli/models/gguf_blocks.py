@@ -119,27 +119,31 @@ _PRODUCTS = {
 }
 
 
-def layer_products(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[tuple[int, str, str], Any]:
-    """(layer, submodule, product) -> Int4Parts / Q8Parts / None (float) for every decoder product."""
-    from pagecli.models.gguf_convert import _open_reader
+class GgufBlocks:
+    """A GGUF file's decoder products, read a layer at a time (the file opened once): layer(i) gives
+    (submodule, product) -> Int4Parts / Q8Parts / None (float) for layer i's four fused products."""
 
-    reader = _open_reader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    num_layers = 1 + max((int(name.split(".")[1]) for name in tensors if name.startswith("blk.")), default=-1)
-    products: dict[tuple[int, str, str], Any] = {}
-    for layer in range(num_layers):
+    def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int) -> None:
+        from pagecli.models.gguf_convert import _open_reader
+
+        self.path = gguf_path
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.tensors = {t.name: t for t in _open_reader(gguf_path).tensors}
+
+    def layer(self, index: int) -> dict[tuple[str, str], Any]:
+        products: dict[tuple[str, str], Any] = {}
         for (module, product), names in _PRODUCTS.items():
             parts = []
             for name in names:
-                tensor = tensors.get(f"blk.{layer}.{name}.weight")
+                tensor = self.tensors.get(f"blk.{index}.{name}.weight")
                 if tensor is None:
-                    raise ModelError(f"GGUF file '{gguf_path}' lacks blk.{layer}.{name}.weight.")
+                    raise ModelError(f"GGUF file '{self.path}' lacks blk.{index}.{name}.weight.")
                 part = tensor_parts(tensor)
                 if part is not None and name in ("attn_q", "attn_k"):
-                    part = reorder_rows(part, num_heads if name == "attn_q" else num_kv_heads)
+                    part = reorder_rows(part, self.num_heads if name == "attn_q" else self.num_kv_heads)
                 parts.append(part)
-            products[(layer, module, product)] = concat_parts(parts)
-    return products
+            products[(module, product)] = concat_parts(parts)
+        return products
 
 
 def tensor_types(gguf_path: Path) -> dict[str, int]:
@@ -168,13 +172,16 @@ def describe_path(gguf_path: Path) -> str:
     return "; ".join(parts) or "no decoder matrices"
 
 
-def use_gguf_products(layers: Any, products: dict[tuple[int, str, str], Any], int4_ops: Any, int8_ops: Any,
+def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops: Any, int8_ops: Any,
                       float_activations: bool = False) -> None:
-    """Put each decoder product on its GGUF blocks: Int4Parts on the 4-bit kernel (int4_ops: pagecli.native,
-    or None for the PyTorch reference), Q8Parts requantized to pagecli's int8 blocks (int8_ops likewise),
-    anything else left on the converted folder's floats. float_activations: as Linear.quantize_int8."""
-    for (index, module_name, product_name), parts in products.items():
-        linear = getattr(getattr(layers[index], module_name), product_name)
+    """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
+    kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts requantized to
+    pagecli's int8 blocks (int8_ops likewise), anything else left on the converted folder's floats.
+    float_activations: as Linear.quantize_int8. A product already on its blocks is left as it is."""
+    for (module_name, product_name), parts in products.items():
+        linear = getattr(getattr(layer, module_name), product_name)
+        if linear.packed is not None:
+            continue
         if isinstance(parts, Int4Parts):
             linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, float_activations)
         elif isinstance(parts, Q8Parts):

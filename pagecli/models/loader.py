@@ -11,6 +11,8 @@ pickle (.bin, .pt).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagecli.errors import ModelError
-from pagecli.models.decoder import CausalLM
+from pagecli.models.decoder import CausalLM, DecoderLayer
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
 from pagecli.models.tokenizer import GENERIC_TOKENIZER_CLASSES, load_plain_tokenizer
@@ -187,7 +189,13 @@ def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: 
         ) from exc
 
 
-def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None) -> LoadedModel:
+LayerReady = Callable[[CausalLM, DecoderLayer], None]
+
+
+def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
+               layer_ready: LayerReady | None = None) -> LoadedModel:
+    """The folder's model, config and tokenizer; layer_ready(model, layer) runs on each decoder layer
+    as soon as its weights are loaded (_load_weights)."""
     hf_config = load_hf_config(folder)
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
@@ -195,39 +203,85 @@ def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_posi
     rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings).to(dev)
     with torch.device("meta"):  # parameters get their real storage from the checkpoint
         model = CausalLM(spec, rotary)
-    _load_weights(model, folder, torch_dtype, dev)
-    model.source_folder = folder
-    model.fuse_projections()
+    model.source_folder = folder  # before the weights: layer_ready may read a GGUF source beside it
+    _load_weights(model, folder, torch_dtype, dev, layer_ready)
     model.eval()
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, spec, hf_config, tokenizer, folder, torch_dtype, dev, _eos_ids(folder, hf_config, tokenizer))
 
 
-def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device,
+                  layer_ready: LayerReady | None = None) -> None:
+    """The checkpoint's tensors into the model: first those outside the decoder layers, then one layer
+    at a time, its q/k/v and gate/up fused as soon as its tensors are in and the layer handed to
+    layer_ready (the engine quantizes it there). Every tensor is copied out of the file's mapping,
+    which is closed after each layer: a quantized model never holds more than one layer of float
+    weights, and none of the file stays resident (a tensor viewing the mapping kept the whole file
+    counted in the process's memory: a 7B model loaded to int4 stayed at 16 GB resident for 4.4 GB
+    of weights)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
     expected = dict(model.named_parameters())
-    state: dict[str, torch.Tensor] = {}
+    where = _tensor_files(files, expected)
+    missing = sorted(set(expected) - set(where))
+    if missing:
+        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise ModelError(f"The weights in '{folder}' lack {len(missing)} tensors the model needs ({shown}).")
+    layers: dict[int, list[str]] = {}
+    outside: list[str] = []
+    for name in where:
+        match = _LAYER_NAME.match(name)
+        (layers.setdefault(int(match.group(1)), []) if match else outside).append(name)
+    model.load_state_dict(_read_tensors(outside, where, expected, dtype, device), strict=False, assign=True)
+    for index, layer in enumerate(model.model.layers):
+        names = layers.get(index, [])
+        model.load_state_dict(_read_tensors(names, where, expected, dtype, device), strict=False, assign=True)
+        layer.fuse_projections()
+        if layer_ready is not None:
+            layer_ready(model, layer)
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _tensor_files(files: list[Path], expected: dict[str, torch.Tensor]) -> dict[str, Path]:
+    """The file each tensor the model needs is in, from the files' headers (no tensor read)."""
+    where: dict[str, Path] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_WEIGHT_SUFFIXES) or name not in expected:
-                        continue  # e.g. lm_head.weight of a tied checkpoint
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    if not name.endswith(_IGNORED_WEIGHT_SUFFIXES) and name in expected:
+                        where[name] = file  # e.g. lm_head.weight of a tied checkpoint is not expected
         except (SafetensorError, OSError, ValueError) as exc:
-            raise ModelError(f"Cannot read weights from '{file}' (corrupt or truncated?): {_first_line(exc)}") from exc
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
-        raise ModelError(f"The weights in '{folder}' lack {len(missing)} tensors the model needs ({shown}).")
+            raise _unreadable(file, exc) from exc
+    return where
+
+
+def _read_tensors(names: list[str], where: dict[str, Path], expected: dict[str, torch.Tensor],
+                  dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """These tensors, each a copy of its own in dtype on device, shapes checked."""
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    for file, file_names in by_file.items():
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in file_names:
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise _unreadable(file, exc) from exc
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ModelError(
-                f"Weight '{name}' in '{folder}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}."
-            )
-    model.load_state_dict(state, strict=False, assign=True)
+            raise ModelError(f"Weight '{name}' in '{where[name].parent}' has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(expected[name].shape)}.")
+    return state
+
+
+def _unreadable(file: Path, exc: BaseException) -> ModelError:
+    return ModelError(f"Cannot read weights from '{file}' (corrupt or truncated?): {_first_line(exc)}")
 
 
 def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:

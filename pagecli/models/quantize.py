@@ -26,6 +26,7 @@ batched, SmolLM2-135M on Zen 4, 2026-11-25) and only saves memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,15 +37,37 @@ WEIGHT_BLOCK = 64  # int8 weights: one scale per output channel and this many k
 INT8_FORMAT = "int8-b64"  # what the disk store's fingerprint calls these weights (per-channel int8 was "int8")
 
 
+CHUNK_ELEMENTS = 1 << 24  # weights quantized at once: float32 temporaries of 64 MB each, whatever the tensor
+
+
+def in_row_chunks(weight: torch.Tensor, quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+                  ) -> tuple[torch.Tensor, ...]:
+    """quantize_rows over weight [N, K] a few rows at a time, the parts joined: the same tensors as in one
+    call (every row is quantized alone), without float32 copies of the whole weight (an output layer
+    of 201M weights took about 3 GB of temporaries at once)."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    if weight.shape[0] <= rows:
+        return quantize_rows(weight)
+    parts = [quantize_rows(weight[start : start + rows]) for start in range(0, weight.shape[0], rows)]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts))
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (q [N, K] int8, scale [N, ceil(K / 64)] bfloat16)."""
-    w = weight.detach().float()
-    N, K = w.shape
+    return in_row_chunks(weight, _quantize_int8_rows)
+
+
+def _quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = weight.shape
     blocks = -(-K // WEIGHT_BLOCK)
-    wb = torch.nn.functional.pad(w, (0, blocks * WEIGHT_BLOCK - K)).view(N, blocks, WEIGHT_BLOCK)
-    scale = (wb.abs().amax(dim=2) / 127).to(torch.bfloat16)  # [N, B]
+    w = weight.detach().to(torch.float32, copy=True)  # worked on in place below
+    if blocks * WEIGHT_BLOCK != K:
+        w = torch.nn.functional.pad(w, (0, blocks * WEIGHT_BLOCK - K))  # zeros never raise a block's max |w|
+    wb = w.view(N, blocks, WEIGHT_BLOCK)
+    low, high = torch.aminmax(wb, dim=2)  # max |w| = max(high, -low): one pass, no |w| copy
+    scale = (torch.maximum(high, low.neg()) / 127).to(torch.bfloat16)  # [N, B]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: q = 0, any scale
-    q = torch.round(wb / scale.float()[:, :, None]).clamp_(-127, 127).to(torch.int8)  # [N, B, 64]
+    q = wb.div_(scale.float()[:, :, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, B, 64]
     return q.view(N, -1)[:, :K].contiguous(), scale
 
 

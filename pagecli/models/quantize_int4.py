@@ -18,25 +18,29 @@ from __future__ import annotations
 
 import torch
 
-from pagecli.models.quantize import round_activations
+from pagecli.models.quantize import in_row_chunks, round_activations
 
 GROUP = 32  # weights per group along K (pagecli/native/quant_int4.h: kInt4Group)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (q [N, K] uint8 in [0, 15], scale [N, G] fp16, min [N, G] fp16), G = ceil(K / 32)."""
-    w = weight.detach().float()
-    n, k = w.shape
+    return in_row_chunks(weight, _quantize_int4_rows)
+
+
+def _quantize_int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
     groups = -(-k // GROUP)
-    padded = torch.nn.functional.pad(w, (0, groups * GROUP - k), value=float("nan")).view(n, groups, GROUP)
-    low = torch.where(padded.isnan(), torch.inf, padded).amin(dim=2)  # [N, G], the tail's padding left out
-    high = torch.where(padded.isnan(), -torch.inf, padded).amax(dim=2)
+    w = weight.detach().to(torch.float32, copy=True)  # worked on in place below
+    if groups * GROUP != k:  # the tail group repeats its last weight: its min and max stay its own
+        w = torch.nn.functional.pad(w, (0, groups * GROUP - k), mode="replicate")
+    w = w.view(n, groups, GROUP)
+    low, high = torch.aminmax(w, dim=2)  # [N, G]
     minimum = low.half()
     scale = ((high - minimum.float()) / 15).half()
     step = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))  # a flat group: q = 0
-    q = torch.round((padded - minimum.float()[..., None]) / step[..., None]).clamp_(0, 15)
-    q = torch.nan_to_num(q, nan=0.0).view(n, groups * GROUP)[:, :k].to(torch.uint8).contiguous()
-    return q, scale, minimum
+    q = w.sub_(minimum.float()[..., None]).div_(step[..., None]).round_().clamp_(0, 15)
+    return q.view(n, groups * GROUP)[:, :k].to(torch.uint8).contiguous(), scale, minimum
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
