@@ -45,8 +45,8 @@ def test_no_loaded_weight_views_the_checkpoint_files_mapping(tiny_model_factory)
 def test_each_layer_is_fused_and_handed_over_before_the_next_one_loads(tiny_model_factory):
     seen = []
 
-    def ready(model, layer):
-        index = next(i for i, other in enumerate(model.model.layers) if other is layer)
+    def ready(model, index):
+        layer = model.model.layers[index]
         later = [p for other in model.model.layers[index + 1 :] for p in other.parameters()]
         seen.append((index, hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_proj"),
                      hasattr(layer.mlp, "gate_up_proj"), all(p.is_meta for p in later),

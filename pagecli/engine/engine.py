@@ -43,7 +43,7 @@ from pagecli.models.messages import Conversation, developer_as_system, read_mess
 from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.models.fingerprint import model_fingerprint
-from pagecli.models.decoder import CausalLM, DecoderLayer
+from pagecli.models.decoder import CausalLM
 from pagecli.models.loader import LoadedModel, load_model, resolve_device
 from pagecli.store.blobs import BlockGeometry
 from pagecli.store.files import resolve_store_dir
@@ -167,7 +167,7 @@ class Engine:
         return ops
 
     def _quantize_as_loaded(self, cpu_ops: Any, progress: Callable[[str], None] | None
-                            ) -> Callable[[CausalLM, DecoderLayer], None] | None:
+                            ) -> Callable[[CausalLM, int], None] | None:
         """With --quantize, each decoder layer quantized (or put on its GGUF file's blocks) as soon as its
         weights are loaded (load_model's layer_ready): a 7B-shaped model loads to int4 within 6 GB
         instead of the 19 GB its float weights took at once."""
@@ -179,8 +179,8 @@ class Engine:
             else f"Quantizing the weights to {quantize} as they load")
         done = [0, time.monotonic()]  # layers done, when progress was last said
 
-        def ready(model: CausalLM, layer: DecoderLayer) -> None:
-            model.quantize_layer(layer, quantize, cpu_ops)
+        def ready(model: CausalLM, index: int) -> None:
+            model.quantize_layer(index, quantize, cpu_ops)
             return_freed_load_memory()  # the layer's float weights: about 1 GiB of the 7B's peak kept otherwise
             done[0] += 1
             if time.monotonic() - done[1] >= 10 and done[0] < model.spec.num_layers:

@@ -120,23 +120,23 @@ class CausalLM(nn.Module):
         if quantize == "none":
             return
         int8_ops, _, exact = self._quantize_kernels(quantize, ops)
-        for layer in self.model.layers:
-            self.quantize_layer(layer, quantize, ops)
+        for index in range(len(self.model.layers)):
+            self.quantize_layer(index, quantize, ops)
         self._gguf = None  # the file's blocks are all in: let the reader's mapping go
         if quantize != "gguf":  # gguf: the output layer keeps the file's numbers
             self._quantize_output(int8_ops, exact)
 
-    def quantize_layer(self, layer: DecoderLayer, quantize: str, ops: Any = None) -> None:
-        """One decoder layer's Linears as quantize_weights makes them. Called as each layer loads
+    def quantize_layer(self, index: int, quantize: str, ops: Any = None) -> None:
+        """Decoder layer `index`'s Linears as quantize_weights makes them. Called as each layer loads
         (load_model's layer_ready), so a quantized model never holds all its float weights;
         quantize_weights then passes the layers already done."""
+        layer = self.model.layers[index]
         if quantize == "none" or layer.quantized_as == quantize:
             return
         int8_ops, int4_ops, exact = self._quantize_kernels(quantize, ops)
         if quantize == "gguf":
             from pagecli.models import gguf_blocks
 
-            index = next(i for i, other in enumerate(self.model.layers) if other is layer)
             gguf_blocks.use_gguf_products(layer, self._gguf_blocks().layer(index), int4_ops, int8_ops, exact)
         else:
             for module in layer.modules():

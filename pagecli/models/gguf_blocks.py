@@ -177,11 +177,9 @@ def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops
     """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
     kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts requantized to
     pagecli's int8 blocks (int8_ops likewise), anything else left on the converted folder's floats.
-    float_activations: as Linear.quantize_int8. A product already on its blocks is left as it is."""
+    float_activations: as Linear.quantize_int8."""
     for (module_name, product_name), parts in products.items():
         linear = getattr(getattr(layer, module_name), product_name)
-        if linear.packed is not None:
-            continue
         if isinstance(parts, Int4Parts):
             linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, float_activations)
         elif isinstance(parts, Q8Parts):

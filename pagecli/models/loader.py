@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagecli.errors import ModelError
-from pagecli.models.decoder import CausalLM, DecoderLayer
+from pagecli.models.decoder import CausalLM
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
 from pagecli.models.tokenizer import GENERIC_TOKENIZER_CLASSES, load_plain_tokenizer
@@ -189,12 +189,12 @@ def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: 
         ) from exc
 
 
-LayerReady = Callable[[CausalLM, DecoderLayer], None]
+LayerReady = Callable[[CausalLM, int], None]  # (the model, the index of the decoder layer just loaded)
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
                layer_ready: LayerReady | None = None) -> LoadedModel:
-    """The folder's model, config and tokenizer; layer_ready(model, layer) runs on each decoder layer
+    """The folder's model, config and tokenizer; layer_ready(model, index) runs on each decoder layer
     as soon as its weights are loaded (_load_weights)."""
     hf_config = load_hf_config(folder)
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
@@ -239,7 +239,7 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
         model.load_state_dict(_read_tensors(names, where, expected, dtype, device), strict=False, assign=True)
         layer.fuse_projections()
         if layer_ready is not None:
-            layer_ready(model, layer)
+            layer_ready(model, index)
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
