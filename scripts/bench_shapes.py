@@ -16,8 +16,10 @@ contenders alternating within every repetition; medians with the range:
          llama.cpp: the GGUF file's size)
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
-pagecli runs in bf16, once per --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value
-ending in @float32 loads the model in float32, whose quantized products keep float activations;
+pagecli runs in its default dtype (bf16 where the CPU has bf16 arithmetic, else float32), once per
+--quantize value (PAGECLI_CPU_ISA picks the kernel level; a value ending in @float32 loads the model
+in float32, whose quantized products keep float activations; one starting VAR=VALUE: sets that
+variable for its runs, e.g. PAGECLI_BF16_WEIGHTS=0:none@float32;
 `gguf` loads the first of --ggufs, DIR.<KIND>.gguf, and runs its blocks as they lie);
 llama.cpp with -t THREADS and --llama-extra's flags (both tools: `-fa`, `-ub`, `-ctk`/`-ctv`, ...);
 --kv-dtype sets pagecli's cache dtype for every pagecli run.
@@ -41,7 +43,7 @@ from pagecli.engine import Engine
 task, model, threads, quantize, kv_dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 quantize, _, dtype = quantize.partition("@")
 torch.set_num_threads(threads)
-engine = Engine(model, EngineConfig(dtype=dtype or "bfloat16", disk_cache=False, max_num_batched_tokens=4096,
+engine = Engine(model, EngineConfig(dtype=dtype or "auto", disk_cache=False, max_num_batched_tokens=4096,
                                     kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize,
                                     kv_dtype=kv_dtype))
 gen = torch.Generator().manual_seed(0)
@@ -92,9 +94,15 @@ def read_rate(threads: int) -> float:
 
 
 def pagecli_rate(task: str, model: str, threads: int, quantize: str, kv_dtype: str) -> tuple[float, int]:
-    """(tokens/s, the weight bytes a decode token reads)."""
+    """(tokens/s, the weight bytes a decode token reads). quantize may start with VAR=VALUE: settings of
+    the child's environment (PAGECLI_BF16_WEIGHTS=0:none@float32)."""
+    env = dict(os.environ)
+    while ":" in quantize and "=" in quantize.split(":", 1)[0]:
+        setting, quantize = quantize.split(":", 1)
+        name, _, value = setting.partition("=")
+        env[name] = value
     out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize, kv_dtype],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result["rate"], result["read_bytes"]
 
@@ -137,9 +145,9 @@ def main() -> None:
     model = args.model.rstrip("/")
     # `gguf` runs a .gguf file's own blocks: the first of --ggufs beside the model folder.
     gguf_model = f"{model}.{args.ggufs.split(',')[0]}.gguf"
-    contenders = {f"pagecli {'bf16' if q == 'none' else q.replace('none@', '')}":
-                  (lambda task, q=q: pagecli_rate(task, gguf_model if q.startswith("gguf") else model, args.threads, q,
-                                                  args.kv_dtype))
+    contenders = {f"pagecli {'auto' if q == 'none' else q.replace('none@', '')}":
+                  (lambda task, q=q: pagecli_rate(task, gguf_model if q.split(":")[-1].startswith("gguf") else model,
+                                                  args.threads, q, args.kv_dtype))
                   for q in args.quantize.split(",")}
     for kind in args.ggufs.split(","):
         contenders[f"llama.cpp {kind}"] = (lambda task, g=f"{model}.{kind}.gguf": llama_rate(task, g, args.llama_cpp,

@@ -147,6 +147,26 @@ class CausalLM(nn.Module):
                         module.quantize_int8(int8_ops, exact)
         layer.quantized_as = quantize
 
+    def keep_bf16_layer(self, index: int, ops: Any) -> None:
+        """Decoder layer `index`'s float32 Linears whose weights hold only bfloat16 values kept in bf16
+        (Linear.keep_bf16), as use_cpu_ops keeps them where native.bf16_weights_wanted; called as each
+        layer loads too, so a float32 model converted from bf16 never holds all its weights in float32."""
+        for module in self.model.layers[index].modules():
+            if isinstance(module, Linear):
+                module.keep_bf16(ops)
+
+    def _keep_bf16_output(self, ops: Any) -> None:
+        """The output layer in bf16 as keep_bf16_layer keeps the others; a tied table is then kept only
+        there, its rows read back for the lookup (exactly: they are bf16 values)."""
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.keep_bf16(ops)
+            self.output_packed = self.lm_head.packed
+            return
+        table = self.model.embed_tokens.weight
+        if table is not None and table.dtype == torch.float32 and ops.bf16_exact(table.detach()):
+            self.output_packed = ops.Bf16WeightLinear(table.detach(), None)
+            self.model.embed_tokens.share_packed(self.output_packed)
+
     def _quantize_kernels(self, quantize: str, ops: Any) -> tuple[Any, Any, bool]:
         """(the int8 kernels, the int4 kernels, whether activations stay float) for this model's dtype:
         ops where its kernels take the dtype, else None (the PyTorch reference); refused off the CPU."""
@@ -182,17 +202,29 @@ class CausalLM(nn.Module):
             self._gguf = gguf_blocks.GgufBlocks(source, self.spec.num_heads, self.spec.num_kv_heads)
         return self._gguf
 
-    def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none") -> None:
+    def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none",
+                    bf16_weights: bool | None = None) -> None:
         """Run the elementwise steps with pagecli.native's fused CPU kernels, and bf16 products with
         its matmul (AMX tiles or AVX512-BF16 for the few rows of a decode step, where the CPU has them).
 
         packed (bf16 models only): every product, the output layer's included, runs on the packed
         GEMM over weights repacked here once, so a row's result has the same bits in any batch; the
         row-layout weights are dropped. A tied embedding table is then kept only packed too, its
-        rows read back from the panels (nothing doubles). None: where pagecli.native.packed_gemm_wanted."""
+        rows read back from the panels (nothing doubles). None: where pagecli.native.packed_gemm_wanted.
+
+        bf16_weights (float32 models, unquantized): weights whose values are all bfloat16 kept in bf16
+        (keep_bf16_layer), the output layer's and a tied table's too. None: where
+        pagecli.native.bf16_weights_wanted (the avx2 level)."""
         if packed is None:
             packed = native.packed_gemm_wanted(ops)
+        if bf16_weights is None:
+            bf16_weights = native.bf16_weights_wanted(ops)
         self.quantize_weights(quantize, ops)
+        if bf16_weights and quantize == "none" and self.model.norm.weight.dtype == torch.float32:
+            for index in range(len(self.model.layers)):
+                self.keep_bf16_layer(index, ops)
+            if self.output_packed is None:
+                self._keep_bf16_output(ops)
         bf16 = self.model.norm.weight.dtype == torch.bfloat16
         packed = packed and bf16
         linear_kernel = ops.linear if bf16 else None
@@ -223,7 +255,7 @@ class CausalLM(nn.Module):
             return
         self.decode_step = ops.DecodeStep(
             [self._layer_tensors(layer) for layer in layers],
-            products if all(p is not None for layer in products for p in layer) else [],
+            products if any(p is not None for layer in products for p in layer) else [],
             self.model.norm.weight, self.rotary.cos, self.rotary.sin, self.spec.num_heads, self.spec.num_kv_heads,
             self.spec.head_dim, self.spec.rms_norm_eps, layers[0].self_attn.scale, native.decode_team_wanted(),
         )
@@ -253,8 +285,8 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _packed_products(layer: DecoderLayer) -> list[Any]:
-        """One layer's packed products (PackedLinear or PackedLinearInt8, None where the weight is in
-        row layout) in DecodeStep's order: qkv, o, gate_up, down."""
+        """One layer's packed products (PackedLinear, Bf16WeightLinear, PackedLinearInt8, ...; None where
+        the weight is in row layout) in DecodeStep's order: qkv, o, gate_up, down."""
         attn, mlp = layer.self_attn, layer.mlp
         return [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
 

@@ -105,7 +105,7 @@ class Linear(nn.Linear):
     is None and `packed_weight` holds what is kept (so parameter byte counts see the real layout)."""
 
     kernel: LinearKernel | None = None
-    packed: Any = None  # PackedLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
+    packed: Any = None  # PackedLinear, Bf16WeightLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
 
     def reset_parameters(self) -> None:
         pass
@@ -114,6 +114,17 @@ class Linear(nn.Linear):
         """Repack the weight once into the packed GEMM's panels and drop the row layout."""
         if self.packed is None:
             self.packed = ops.PackedLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
+            self.weight = None
+            self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
+
+    def keep_bf16(self, ops: Any) -> None:
+        """A float32 weight whose values are all bfloat16 (a model converted from a bf16 checkpoint)
+        kept in bf16 panels, run by pagecli.native's Bf16WeightLinear on float32 activations: half the
+        bytes, the same values. Any other weight stays as it is."""
+        if self.packed is not None or self.weight is None or self.weight.dtype != torch.float32:
+            return
+        if ops.bf16_exact(self.weight.detach()):
+            self.packed = ops.Bf16WeightLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
             self.weight = None
             self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
 

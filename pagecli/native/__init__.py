@@ -49,6 +49,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "prefill_attention.cpp",  # paged prefill attention (AMX)
     "linear.cpp",             # products over row-layout weights: rows kernel, AMX tiles, native_linear
     "gemm_bf16.cpp",          # the packed bf16 GEMM (AVX512-BF16)
+    "bf16_weights.cpp",       # float32 activations times bf16-kept weights (AVX2 + FMA): float32 models at avx2
     "quant_int8.cpp",         # int8 weights: packed AVX512-BF16 kernel, AVX2 kernel
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
@@ -59,7 +60,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
 ))
 _HEADERS = tuple(_HERE / name for name in (
-    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "quant_int8.h", "quant_int4.h",
+    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "bf16_weights.h", "quant_int8.h", "quant_int4.h",
     "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
     "work_share.h", "read_probe.h", "weight_memory.h",
 ))
@@ -86,6 +87,19 @@ def packed_gemm_wanted(ops: ModuleType) -> bool:
     if os.environ.get(PACKED_GEMM_VAR, "1").strip().lower() in _OFF:
         return False
     return bool(ops.has_packed_linear()) and not ops.has_amx()
+
+
+BF16_WEIGHTS_VAR = "PAGECLI_BF16_WEIGHTS"
+
+
+def bf16_weights_wanted(ops: ModuleType) -> bool:
+    """Whether a float32 model keeps its bf16-valued weights in bf16 (bf16_weights.cpp): at the avx2
+    level, where float32 is the default dtype because the CPU has no bf16 arithmetic, unless
+    PAGECLI_BF16_WEIGHTS=0 keeps every weight in float32 (for A/B runs). Halves the bytes a decode step
+    reads; the products are the same numbers, summed in another order than PyTorch's."""
+    if os.environ.get(BF16_WEIGHTS_VAR, "1").strip().lower() in _OFF:
+        return False
+    return bool(ops.has_bf16_weight_linear()) and level() == "avx2"
 
 
 DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"

@@ -27,20 +27,20 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
       cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), eps_(eps), scale_(scale) {
   TORCH_CHECK(packed_.empty() || packed_.size() == layers_.size(), "DecodeStep: packed products for every layer or none");
-  for (const auto& layer : layers_) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
     TORCH_CHECK(layer.size() == 12, "DecodeStep: each layer needs 12 entries");
     for (int i : {0, 7}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
-    if (packed_.empty()) {
-      for (int i : {1, 5, 8, 10}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
+    TORCH_CHECK(packed_.empty() || packed_[l].size() == 4, "DecodeStep: each packed layer needs its 4 entries");
+    static constexpr int kWeight[] = {1, 5, 8, 10};
+    for (int which = 0; which < 4; ++which) {
+      TORCH_CHECK((!packed_.empty() && packed_[l][which]) || layer[kWeight[which]].has_value(),
+                  "DecodeStep: layer ", l, " has neither a packed product nor a weight for product ", which);
     }
-  }
-  for (const auto& layer : packed_) {
-    TORCH_CHECK(layer.size() == 4 && layer[0] && layer[1] && layer[2] && layer[3],
-                "DecodeStep: each packed layer needs its 4 products");
   }
   team_ready_ = team && !packed_.empty();
   for (const auto& layer : packed_) {
-    for (const auto& p : layer) team_ready_ = team_ready_ && p->runs_into();
+    for (const auto& p : layer) team_ready_ = team_ready_ && p && p->runs_into();
   }
   if (team_ready_) {  // forward_team sizes its buffers from these
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_, hidden = final_norm_.numel();
@@ -167,7 +167,7 @@ torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& po
 }
 
 torch::Tensor DecodeStep::product(size_t layer, int which, const torch::Tensor& x) const {
-  if (!packed_.empty()) return packed_[layer][which]->forward(x);
+  if (!packed_.empty() && packed_[layer][which]) return packed_[layer][which]->forward(x);
   static constexpr int kWeight[] = {1, 5, 8, 10};
   const Layer& w = layers_[layer];
   return native_linear(x, *w[kWeight[which]], w[kWeight[which] + 1]);

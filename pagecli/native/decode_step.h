@@ -23,9 +23,10 @@ class DecodeStep {
   // bias, q norm, k norm, o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down
   // weight, down bias.
   using Layer = std::vector<c10::optional<torch::Tensor>>;
-  // Per layer, the four products (qkv, o, gate_up, down) packed at load (PackedLinear, or
-  // PackedLinearInt8 with --quantize int8); their weights and biases in Layer are then None. Empty:
-  // every product by native_linear over Layer's weights.
+  // Per layer, the four products (qkv, o, gate_up, down) packed at load (PackedLinear,
+  // PackedLinearInt8 with --quantize int8, Bf16WeightLinear for float32 models at the avx2 level);
+  // their weights and biases in Layer are then None. A null product, or an empty list: that product
+  // by native_linear over Layer's weights.
   using PackedLayer = std::vector<std::shared_ptr<PackedProduct>>;
 
   // team: run steps of up to kTeamRows rows in one parallel region where the products allow
