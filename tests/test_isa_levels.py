@@ -78,6 +78,8 @@ def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
         assert f"{name} on {kind or 'the PyTorch reference'}" in line
     assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")
     assert f"==> weights: {native.weight_pages()}" in out
+    line = next(line for line in out.splitlines() if line.startswith("==> float32 models: "))
+    assert ("kept in bf16" in line) == native.bf16_weights_wanted(ops)
 
 
 @pytest.mark.parametrize(("setting", "env", "expected"), [

@@ -60,7 +60,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
 ))
 _HEADERS = tuple(_HERE / name for name in (
-    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "bf16_weights.h", "quant_int8.h", "quant_int4.h",
+    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "bf16_weights.h", "panel_f32.h", "quant_int8.h", "quant_int4.h",
     "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
     "work_share.h", "read_probe.h", "weight_memory.h",
 ))

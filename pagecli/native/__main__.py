@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
           f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
     print(f"==> --quantize products: {quantized_kernels(ops)}")
+    print(f"==> float32 models: {float32_weights(ops)}")
     print(f"==> weights: {native.weight_pages()}")
     if "--bandwidth" in args:
         import torch
@@ -57,6 +58,14 @@ def quantized_kernels(ops) -> str:
         named += (" (AVX512-VNNI: bf16/fp16 models' activations rounded to int8 in blocks of 64; float32 "
                   "models keep them float on the avx2 kernels)")
     return named
+
+
+def float32_weights(ops) -> str:
+    """How a float32 model's weights are kept at this level, in words (native.bf16_weights_wanted)."""
+    if native.bf16_weights_wanted(ops):
+        return (f"weights that hold only bfloat16 values (converted from a bf16 checkpoint) kept in bf16, "
+                f"half the bytes, the same products ({native.BF16_WEIGHTS_VAR}=0 keeps float32)")
+    return "weights kept in float32"
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@
 // A tile of up to 4 rows keeps per row and column vector a group's int32 sums and the fp32 totals
 // in registers.
 //
-// AVX2 kernel: rows as they lie, 4 rows of x per weight row, 8 k per fp32 lane with FMA (activations
-// stay float there).
+// AVX2 kernel: panel_f32.h's register tile over nibble panels, each weight dequantized as it is
+// widened (q * scale + min in one fp32 rounding), so the product is float32 math on the dequantized
+// weights (activations stay float there).
 
 #include "quant_int4.h"
 
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "panel_f32.h"
 #include "weight_memory.h"
 #include "work_share.h"
 
@@ -154,108 +156,52 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const f
 #endif
 
 #if PAGECLI_INT4_AVX2
-// x [M, K] -> x in `dtype`, [M, groups * 32], zero past K (a view of x when nothing needs padding).
-at::Tensor padded_rows(const at::Tensor& x, int64_t groups, at::ScalarType dtype) {
-  const int64_t K = x.size(1), width = groups * kInt4Group;
-  if (K == width) return x.to(dtype).contiguous();
-  auto padded = at::zeros({x.size(0), width}, x.options().dtype(dtype));  // [M, groups * 32]
-  padded.narrow(1, 0, K).copy_(x);
-  return padded;
-}
+// The AVX2 layout: q in panel_f32.h's panels at 4 bits, uint8 [ceil(N / 16), K, 8] where byte j of
+// row k holds column 16 p + j in its low nibble and column 16 p + 8 + j in its high one, and per
+// panel and group of 32 k the columns' scales then minimums, fp32 [ceil(N / 16), groups, 2, 16]
+// (zero past N). Row k of a panel is one 8-byte load widened to int32, its nibbles split by a
+// mask and a shift, then q * scale + min in one rounding: the dequantized weights themselves.
+struct Int4Panels {
+  const uint8_t* data;
+  const float* scale_min;
+  int64_t K, groups;
 
-// Per row and group, the fp32 sum of x over the group, k in order: [M, groups].
-at::Tensor group_sums(const at::Tensor& xp, int64_t groups) {
-  const int64_t M = xp.size(0);
-  auto sums = at::empty({M, groups}, xp.options().dtype(at::kFloat));  // [M, groups]
-  float* sp = sums.data_ptr<float>();
-  const auto run = [&](auto* x) {
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        for (int64_t g = 0; g < groups; ++g) {
-          float s = 0;
-          for (int64_t k = 0; k < kInt4Group; ++k) s += static_cast<float>(x[(m * groups + g) * kInt4Group + k]);
-          sp[m * groups + g] = s;
-        }
-      }
-    });
-  };
-  if (xp.scalar_type() == at::kBFloat16) {
-    run(xp.data_ptr<at::BFloat16>());
-  } else {
-    run(xp.data_ptr<float>());
+  void widen(int64_t p, int64_t k, __m256& lo, __m256& hi) const {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + (p * K + k) * 8)));
+    const float* sm = scale_min + (p * groups + k / kInt4Group) * 2 * kPanelF32Cols;
+    const __m256 qlo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
+    const __m256 qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    lo = _mm256_fmadd_ps(qlo, _mm256_loadu_ps(sm), _mm256_loadu_ps(sm + kPanelF32Cols));
+    hi = _mm256_fmadd_ps(qhi, _mm256_loadu_ps(sm + 8), _mm256_loadu_ps(sm + kPanelF32Cols + 8));
   }
-  return sums;
-}
+};
 
-// q [N, K] uint8 -> [N, groups * 16]: byte i of group g = q[32 g + i] | q[32 g + 16 + i] << 4, zero past K.
-at::Tensor pack_rows(const at::Tensor& q, int64_t groups) {
-  const int64_t N = q.size(0), K = q.size(1);
-  auto packed = weight_zeros({N, groups * kInt4Group / 2}, q.scalar_type());  // [N, groups * 16]
+// q [N, K] uint8 (0..15) -> the nibble panels above, zero past N.
+at::Tensor pack_nibble_panels(const at::Tensor& q) {
+  const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelF32Cols);
+  auto packed = weight_zeros({num_panels, K, 8}, at::kByte);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t g = k / kInt4Group, i = k % kInt4Group;
-        out[n * groups * 16 + g * 16 + i % 16] |= static_cast<uint8_t>(qp[n * K + k] << (4 * (i / 16)));
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
+        const uint8_t* row = qp + (p * kPanelF32Cols + c) * K;
+        uint8_t* dst = out + p * K * 8 + c % 8;
+        const int shift = c < 8 ? 0 : 4;
+        for (int64_t k = 0; k < K; ++k) dst[k * 8] |= static_cast<uint8_t>(row[k] << shift);
       }
     }
   });
   return packed;
 }
 
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
-
-// x as fp32 [M, groups * 32] (padded), the packed rows, (scale, min) pairs [N, groups, 2] fp32.
-// Each weight row's group is widened once for up to 4 rows of x; a (row, column) output sums the
-// same lanes in the same order for any M.
-at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& packed, const float* smp, const float* bp, int64_t N) {
-  const int64_t groups = packed.size(1) / 16;
-  const at::Tensor xf = padded_rows(x, groups, at::kFloat);  // [M, groups * 32]
-  const at::Tensor xsum = group_sums(xf, groups);            // [M, groups]
-  const int64_t M = xf.size(0), width = groups * kInt4Group;
-  auto yf = at::empty({M, N}, xf.options());  // [M, N] fp32, cast to x's dtype at the end
-  const float* xp = xf.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = yf.data_ptr<float>();
-  constexpr int64_t R = 4;
-  // Columns in units of 16, shared out as work_share.h does.
-  const __m128i low_nibble = _mm_set1_epi8(0x0F);
-  parallel_shared_items(N, 16, [&](int64_t n) {
-    const uint8_t* w = wp + n * groups * 16;
-    const float* sm = smp + n * groups * 2;
-    for (int64_t m0 = 0; m0 < M; m0 += R) {
-      const int64_t rows = std::min(R, M - m0);
-      __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      float min_terms[R] = {0, 0, 0, 0};
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
-        const __m128i lo = _mm_and_si128(bytes, low_nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-        const __m256 wv[4] = {widen8(lo), widen8(_mm_srli_si128(lo, 8)), widen8(hi), widen8(_mm_srli_si128(hi, 8))};
-        const __m256 scale = _mm256_set1_ps(sm[2 * g]);
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* xr = xp + (m0 + i) * width + g * kInt4Group;
-          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(xr), wv[0]);
-          for (int s = 1; s < 4; ++s) sum = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * s), wv[s], sum);
-          acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
-          min_terms[i] += sm[2 * g + 1] * sp[(m0 + i) * groups + g];
-        }
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        float y = hsum8(acc[i]) + min_terms[i];
-        if (bp) y += bp[n];
-        yp[(m0 + i) * N + n] = y;
-      }
-    }
-  });
-  return yf.to(x.scalar_type());
+// scale and min [N, groups] fp16 -> fp32 [ceil(N / 16), groups, 2, 16], zero past N.
+at::Tensor panel_scale_min(const at::Tensor& scale, const at::Tensor& min) {
+  const int64_t N = scale.size(0), groups = scale.size(1), num_panels = ceil_div(N, kPanelF32Cols);
+  auto padded = at::zeros({num_panels * kPanelF32Cols, groups, 2}, scale.options().dtype(at::kFloat));
+  padded.narrow(0, 0, N).copy_(at::stack({scale, min}, 2));
+  // [panels, 16, groups, 2] -> [panels, groups, 2, 16]
+  return padded.view({num_panels, kPanelF32Cols, groups, 2}).permute({0, 2, 3, 1}).contiguous();
 }
 #endif
 
@@ -286,8 +232,8 @@ PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale,
   }
 #endif
 #if PAGECLI_INT4_AVX2
-  weights_ = pack_rows(q, groups);
-  scale_min_ = at::stack({scale.to(at::kFloat), min.to(at::kFloat)}, 2).contiguous();  // [N, groups, 2]
+  weights_ = pack_nibble_panels(q);
+  scale_min_ = panel_scale_min(scale, min);
 #endif
 }
 
@@ -300,7 +246,13 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   if (vnni_) y = product_avx512(x2, weights_, bp, N_);
 #endif
 #if PAGECLI_INT4_AVX2
-  if (!vnni_) y = product_avx2(x2, weights_, scale_min_.data_ptr<float>(), bp, N_);
+  if (!vnni_) {
+    const at::Tensor xf = x2.to(at::kFloat).contiguous();
+    y = at::empty({xf.size(0), N_}, xf.options());
+    panel_product(Int4Panels{weights_.data_ptr<uint8_t>(), scale_min_.data_ptr<float>(), K_, scale_min_.size(1)},
+                  xf.data_ptr<float>(), bp, y.data_ptr<float>(), xf.size(0), N_, K_);
+    y = y.to(x.scalar_type());
+  }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;

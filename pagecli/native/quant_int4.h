@@ -24,8 +24,9 @@ constexpr int64_t kInt4Group = 32;  // weights per group along K: one scale and 
 //    activations rounded to int8 per 64-block (act_quant.h): per group
 //    y += d * (scale * sum(xq * q) + min * sum(xq)), each group's integer sums exact (layout in
 //    quant_int4.cpp; pagecli.models.quantize_int4.int4_blocks_reference is this in PyTorch);
-//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): rows as they lie, 16 bytes per group (byte i: q[32 g + i] | q[32 g + 16 + i] << 4),
-//    widened to fp32 and multiplied with FMA.
+//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): 16-column panels of nibbles,
+//    each weight widened to fp32 as q * scale + min and multiplied with FMA, k in order per output
+//    (panel_f32.h, layout in quant_int4.cpp).
 class PackedLinearInt4 : public PackedProduct {
  public:
   // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
@@ -44,8 +45,8 @@ class PackedLinearInt4 : public PackedProduct {
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
-  at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or [N, groups * 16] (AVX2)
-  at::Tensor scale_min_;   // AVX2 only: [N, groups, 2] fp32 (scale, min); undefined on AVX512-VNNI
+  at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or nibble panels [ceil(N / 16), K, 8] (AVX2)
+  at::Tensor scale_min_;   // AVX2 only: fp32 [ceil(N / 16), groups, 2, 16]; undefined on AVX512-VNNI
   at::Tensor bias_;        // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
   bool vnni_;  // the VNNI kernel and its panel blocks, else the AVX2 one over the packed rows

@@ -25,9 +25,10 @@
 // vectors of the quad and the broadcast (28 of the 32 zmm registers). Each quad costs 3 loads and 4
 // broadcasts for 12 vpdpbusd; each block 3 scale loads and 12 multiplies more.
 //
-// AVX2 kernel: q as it lies [N, K], 4 rows of x per weight row, 8 k per fp32 lane with FMA, each
-// block's lanes times its scale into the row's accumulator (activations stay float there). VNNI
-// builds have it too, for float32 models (float_activations).
+// AVX2 kernel: panel_f32.h's register tile over q in 16-column panels, each weight dequantized as it
+// is widened (q times its block's scale, exact in fp32), so the product is float32 math on the
+// dequantized weights (activations stay float). VNNI builds have it too, for float32 models
+// (float_activations).
 
 #include "quant_int8.h"
 
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "panel_f32.h"
 #include "weight_memory.h"
 #include "work_share.h"
 
@@ -159,61 +161,31 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const u
 #endif
 
 #if PAGECLI_INT8_AVX2
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+// The AVX2 layout: q in panel_f32.h's panels, int8 [ceil(N / 16), K, 16] in column order, and the
+// scales widened to fp32 [ceil(N / 16), B, 16] (zero past N): row k of panel p is two 8-byte loads
+// widened to int32 and to float, times the columns' scales of block k / 64 (exact: 8-bit values
+// times bf16 scales need 16 bits), the dequantized weights themselves.
+struct Int8Panels {
+  const int8_t* data;
+  const float* scales;
+  int64_t K, B;
 
-// x as fp32 [M, K]; q [N, K] int8 as it lies; scales bf16 bits [N, B]. Each weight row's 8-k slices
-// are widened once for up to 4 rows of x; a block's lanes go times its scale into the row's
-// accumulator; every (row, column) output sums the same lanes in the same order for any M.
-at::Tensor product_avx2(const at::Tensor& x, const at::Tensor& q, const uint16_t* sp, const float* bp, int64_t N,
-                        int64_t K) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const int64_t M = xf.size(0), B = ceil_div(K, kActBlock);
-  auto yf = at::empty({M, N}, xf.options());  // [M, N] fp32, cast to x's dtype at the end
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* wp = q.data_ptr<int8_t>();
-  float* yp = yf.data_ptr<float>();
-  constexpr int64_t R = 4;
-  // Columns in units of 16, shared out as work_share.h does.
-  parallel_shared_items(N, 16, [&](int64_t n) {
-    const int8_t* w = wp + n * K;
-    for (int64_t m0 = 0; m0 < M; m0 += R) {
-      const int64_t rows = std::min(R, M - m0);
-      __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      float tails[R] = {0, 0, 0, 0};  // the k past the last multiple of 8, scaled
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t k0 = b * kActBlock, k1 = std::min(K, k0 + kActBlock), full = k0 + (k1 - k0) / 8 * 8;
-        const uint32_t bits = static_cast<uint32_t>(sp[n * B + b]) << 16;
-        float scale;
-        std::memcpy(&scale, &bits, sizeof(scale));
-        __m256 block[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = k0; k < full; k += 8) {
-          int64_t bytes;
-          std::memcpy(&bytes, w + k, 8);
-          const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
-          for (int64_t i = 0; i < rows; ++i) {
-            block[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), wv, block[i]);
-          }
-        }
-        const __m256 sv = _mm256_set1_ps(scale);
-        for (int64_t i = 0; i < rows; ++i) {
-          acc[i] = _mm256_fmadd_ps(block[i], sv, acc[i]);
-          float tail = 0;
-          for (int64_t k = full; k < k1; ++k) tail += xp[(m0 + i) * K + k] * static_cast<float>(w[k]);
-          tails[i] += tail * scale;
-        }
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        float sum = hsum8(acc[i]) + tails[i];
-        if (bp) sum += bp[n];
-        yp[(m0 + i) * N + n] = sum;
-      }
-    }
-  });
-  return yf.to(x.scalar_type());
+  void widen(int64_t p, int64_t k, __m256& lo, __m256& hi) const {
+    const int8_t* q = data + (p * K + k) * kPanelF32Cols;
+    const float* s = scales + (p * B + k / kActBlock) * kPanelF32Cols;
+    const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
+    lo = _mm256_mul_ps(qlo, _mm256_loadu_ps(s));
+    hi = _mm256_mul_ps(qhi, _mm256_loadu_ps(s + 8));
+  }
+};
+
+// scale [N, B] bf16 -> fp32 [ceil(N / 16), B, 16], zero past N.
+at::Tensor panel_scales(const at::Tensor& scale) {
+  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, kPanelF32Cols);
+  auto padded = at::zeros({num_panels * kPanelF32Cols, B}, scale.options().dtype(at::kFloat));
+  padded.narrow(0, 0, N).copy_(scale);
+  return padded.view({num_panels, kPanelF32Cols, B}).transpose(1, 2).contiguous();
 }
 #endif
 
@@ -241,21 +213,31 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
     return;
   }
 #endif
-  weights_ = weight_copy(q);
-  scale_ = scale.contiguous();
+#if PAGECLI_INT8_AVX2
+  weights_ = weight_zeros({ceil_div(N_, kPanelF32Cols), K_, kPanelF32Cols}, at::kChar);
+  pack_f32_panels(q.data_ptr<int8_t>(), weights_.data_ptr<int8_t>(), N_, K_, [](int64_t c) { return c; });
+  scale_ = panel_scales(scale);
+#endif
 }
 
 at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_, "PackedLinearInt8 takes x [..., ", K_, "]");
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>());
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
 #if PAGECLI_INT8_VNNI
-  if (vnni_) y = product_avx512(x2, weights_, sp, bp, N_, K_);
+  if (vnni_) {
+    y = product_avx512(x2, weights_, reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>()), bp, N_, K_);
+  }
 #endif
 #if PAGECLI_INT8_AVX2
-  if (!vnni_) y = product_avx2(x2, weights_, sp, bp, N_, K_);
+  if (!vnni_) {
+    const at::Tensor xf = x2.to(at::kFloat).contiguous();
+    y = at::empty({xf.size(0), N_}, xf.options());
+    panel_product(Int8Panels{weights_.data_ptr<int8_t>(), scale_.data_ptr<float>(), K_, scale_.size(1)},
+                  xf.data_ptr<float>(), bp, y.data_ptr<float>(), xf.size(0), N_, K_);
+    y = y.to(x.scalar_type());
+  }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;

@@ -20,9 +20,9 @@ namespace pagecli {
 //    block's sum by its two scales, adds the blocks in order in fp32, plus the bias (layout in
 //    quant_int8.cpp; pagecli.models.quantize.int8_blocks_reference is this arithmetic in PyTorch).
 //    x may be float32, bf16 or fp16; the same bits for a row alone or in any batch;
-//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q as it lies, widened to fp32
-//    and multiplied with FMA, 8 k at a time per lane, each block's lanes times its scale (float
-//    activations); a row's sum order does not depend on its batch either.
+//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q in 16-column panels, each
+//    weight widened to fp32 times its block's scale (exact) and multiplied with FMA, k in order per
+//    output (panel_f32.h; float activations); a row's sum order does not depend on its batch either.
 class PackedLinearInt8 : public PackedProduct {
  public:
   // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
@@ -36,15 +36,15 @@ class PackedLinearInt8 : public PackedProduct {
   const at::Tensor& weights() const { return weights_; }  // the packed (or row-layout) int8 weights
   int64_t out_features() const override { return N_; }
   int64_t in_features() const { return K_; }
-  const at::Tensor& scales() const { return scale_; }  // the weight scales as the kernel reads them (bf16)
+  const at::Tensor& scales() const { return scale_; }  // the weight scales as the kernel reads them
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
-  at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [N, K] (AVX2)
-  at::Tensor scale_;    // bf16: [ceil(N / 48), Kp / 64, 48], zero past N (AVX512-VNNI), or [N, B] (AVX2)
+  at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [ceil(N / 16), K, 16] panels (AVX2)
+  at::Tensor scale_;    // bf16 [ceil(N / 48), Kp / 64, 48] (AVX512-VNNI) or fp32 [ceil(N / 16), B, 16] (AVX2), zero past N
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
-  bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one over q as it lies
+  bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one (panel_f32.h)
 };
 
 // Which kernel this build runs: "avx512_vnni", "avx2", or "" (none: the constructor raises).

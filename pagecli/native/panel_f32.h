@@ -1,0 +1,165 @@
+// The register-tiled product of float32 activations and weights kept in 16-column panels, shared by
+// the AVX2 kernels of every weight format that runs on float activations: bf16 (bf16_weights.cpp),
+// int8 with a scale per 64-block and 4-bit groups with a scale and minimum per 32 (the AVX2 paths of
+// quant_int8.cpp and quant_int4.cpp).
+//
+// A format is a `Panels` type whose widen(p, k, lo, hi) gives row k of panel p as two fp32 vectors,
+// columns 16 p + 0-7 and 16 p + 8-15: the weight values themselves (a quantized weight dequantized
+// exactly, q times its scale, or q times its scale plus its minimum in one rounding), so every
+// format's product is float32 math on the weights it holds. A tile of R rows of x by P panels keeps
+// 2 R P accumulators (at most 12 of the 16 ymm registers): per k, P widenings, R broadcasts of x,
+// 2 R P FMAs. Rows in blocks of 6 (FMAs outnumber the widening's operations), fewer rows with two
+// panels at once (decode: one row, four independent FMA chains, enough to stream the weights at the
+// memory's rate). Each output is one fp32 lane summing its K products in k order (then the bias),
+// whatever the tile, so a row gets the same bits alone or in any batch.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_bf16.h"
+#include "work_share.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGECLI_PANEL_F32 1
+#include <immintrin.h>
+#else
+#define PAGECLI_PANEL_F32 0
+#endif
+
+namespace pagecli {
+
+constexpr int64_t kPanelF32Cols = 16;  // columns per panel
+
+#if PAGECLI_PANEL_F32
+namespace panel_f32 {
+
+constexpr int64_t kRowBlock = 6;  // rows of x per tile, where there are that many
+
+// Panels per tile for a tile of R rows: at most 12 accumulators, and at least 4 FMA chains.
+constexpr int panels_for(int64_t rows) { return rows >= 4 ? 1 : 2; }
+
+struct Tile {
+  int64_t panel;       // the tile's first panel
+  const float* x;      // the tile's first row of x, rows K floats apart
+  const float* bias;   // the first panel's first column's bias, or nullptr
+  float* y;            // y's row of x's first row, at the first panel's first column; rows N apart
+  int64_t K, N, cols;  // cols: columns of y the tile covers (its panels' share of N)
+};
+
+template <int R, int P, typename Panels>
+void tile_kernel(const Panels& w, const Tile& t) {
+  __m256 acc[R][2 * P];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 2 * P; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < t.K; ++k) {
+#pragma GCC unroll 4
+    for (int q = 0; q < P; ++q) {
+      __m256 lo, hi;
+      w.widen(t.panel + q, k, lo, hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(t.x + r * t.K + k);
+        acc[r][2 * q] = _mm256_fmadd_ps(xv, lo, acc[r][2 * q]);
+        acc[r][2 * q + 1] = _mm256_fmadd_ps(xv, hi, acc[r][2 * q + 1]);
+      }
+    }
+  }
+  // The sums leave the registers once, through this buffer (the bias added in fp32 after them):
+  // indexing the accumulators by a run-time column count instead keeps GCC from holding them in
+  // registers across the k loop.
+  alignas(32) float sums[R][2 * P][8];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * P; ++v) _mm256_store_ps(sums[r][v], acc[r][v]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* s = &sums[r][0][0];
+    float* yr = t.y + r * t.N;
+    for (int64_t c = 0; c < t.cols; ++c) yr[c] = t.bias ? s[c] + t.bias[c] : s[c];
+  }
+}
+
+template <int P, typename Panels>
+void tile_rows(int64_t rows, const Panels& w, const Tile& t) {
+  switch (rows) {
+    case 1: return tile_kernel<1, P>(w, t);
+    case 2: return tile_kernel<2, P>(w, t);
+    case 3: return tile_kernel<3, P>(w, t);
+    default: break;
+  }
+  if constexpr (P == 1) {
+    switch (rows) {
+      case 4: return tile_kernel<4, 1>(w, t);
+      case 5: return tile_kernel<5, 1>(w, t);
+      case 6: return tile_kernel<6, 1>(w, t);
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "panel product: no tile of ", rows, " rows by ", P, " panels");
+}
+
+}  // namespace panel_f32
+
+// y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32 but the panels. Work units are (group of panels,
+// group of row blocks), a thread's own units one run of the weights in order (as gemm_bf16.cpp
+// shares its panels).
+template <typename Panels>
+void panel_product(const Panels& w, const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  using namespace panel_f32;
+  if (M <= 0) return;
+  const int64_t rows_per_block = std::min(M, kRowBlock);
+  const int P = panels_for(rows_per_block);
+  const int64_t num_panels = ceil_div(N, kPanelF32Cols), groups = ceil_div(num_panels, P);
+  const int64_t row_blocks = ceil_div(M, rows_per_block);
+  const RowGroups split = split_row_blocks(groups, row_blocks);
+  parallel_shared(groups * split.count, [&](SharedWork::Cursor& cursor) {
+    for (int64_t u; (u = cursor.next()) >= 0;) {
+      const int64_t group = u / split.count, first_block = u % split.count * split.blocks_per_group;
+      const int64_t end_block = std::min(row_blocks, first_block + split.blocks_per_group);
+      const int64_t c0 = group * P * kPanelF32Cols;
+      Tile t;
+      t.panel = group * P;
+      t.bias = bias ? bias + c0 : nullptr;
+      t.K = K;
+      t.N = N;
+      t.cols = std::min(P * kPanelF32Cols, N - c0);
+      for (int64_t b = first_block; b < end_block; ++b) {
+        const int64_t m0 = b * rows_per_block, rows = std::min(rows_per_block, M - m0);
+        t.x = x + m0 * K;
+        t.y = y + m0 * N + c0;
+        // The last group may hold one panel where P is 2: a one-panel tile covers it.
+        if (P == 2 && t.cols > kPanelF32Cols) {
+          tile_rows<2>(rows, w, t);
+        } else {
+          tile_rows<1>(rows, w, t);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// src [N, K] row-major -> dst [ceil(N / 16), K, 16] where row k of panel p holds, at slot(c), column
+// 16 p + c's value (dst must come zeroed: columns past N stay zero).
+template <typename T, typename Slot>
+void pack_f32_panels(const T* src, T* dst, int64_t N, int64_t K, const Slot& slot) {
+  const int64_t num_panels = ceil_div(N, kPanelF32Cols);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
+        const T* row = src + (p * kPanelF32Cols + c) * K;
+        T* out = dst + p * K * kPanelF32Cols + slot(c);
+        for (int64_t k = 0; k < K; ++k) out[k * kPanelF32Cols] = row[k];
+      }
+    }
+  });
+}
+
+}  // namespace pagecli
