@@ -34,7 +34,7 @@ def best_s(fn, repeats: int) -> float:
 
 
 class Float32Product:
-    """PyTorch's float32 product (oneDNN/MKL), what float32 models ran before Bf16WeightLinear."""
+    """PyTorch's float32 product (oneDNN/MKL), what float32 models ran before F32PanelLinear."""
 
     def __init__(self, w: torch.Tensor) -> None:
         self.w = w
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--float32", action="store_true",
                     help="float32 activations, as float32 models run (the avx2 level's default): int8 and int4 "
-                         "keep them float, bf16 is Bf16WeightLinear (weights kept in bf16), f32 is PyTorch's "
+                         "keep them float, bf16 is F32PanelLinear (weights kept in bf16), f32 is PyTorch's "
                          "float32 product")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,7 +67,7 @@ def main() -> None:
         int4 = ops.PackedLinearInt4(*quantize_int4(w), None, float_activations=args.float32) if kind4 else None
         if args.float32:
             w32 = w.bfloat16().float()
-            packed = ops.Bf16WeightLinear(w32, None) if bf16 else None
+            packed = ops.F32PanelLinear(w32, None) if bf16 else None
             torch_f32 = Float32Product(w32)
         else:
             packed = ops.PackedLinear(w.bfloat16(), None) if bf16 else None

@@ -1,5 +1,6 @@
-"""Float32 models whose weights hold only bfloat16 values (converted from a bf16 checkpoint) keep them
-in bf16 at the avx2 level (pagecli.native's Bf16WeightLinear): half the bytes, the same numbers.
+"""Float32 models run their products on 16-column panels at the avx2 level (pagecli.native's
+F32PanelLinear), weights that hold only bfloat16 values (converted from a bf16 checkpoint) kept in
+bf16: half the bytes, the same numbers; other weights in float32.
 
 Tolerances: each product of a float32 activation and a bf16 weight is exact in fp32, so the kernel
 differs from float64 math only by fp32 rounding in its sums (within 1e-5 * sqrt(K) here, for values
@@ -38,7 +39,7 @@ def reference(x, w, bias=None) -> torch.Tensor:
 def test_products_equal_float64_math_and_each_row_alone(ops, rows, n, k):
     w, x = bf16_valued((n, k)), bf16_valued((rows, k), seed=1) + torch.rand(rows, k) * 1e-3  # x not bf16-valued
     bias = bf16_valued((n,), seed=2) if rows % 2 else None
-    product = ops.Bf16WeightLinear(w, bias)
+    product = ops.F32PanelLinear(w, bias)
     y = product.forward(x)
     torch.testing.assert_close(y, reference(x, w, bias), atol=1e-5 * k**0.5, rtol=1e-5)
     alone = torch.cat([product.forward(x[i : i + 1]) for i in range(rows)])
@@ -48,22 +49,26 @@ def test_products_equal_float64_math_and_each_row_alone(ops, rows, n, k):
 
 def test_the_panels_hold_half_the_bytes_and_give_back_exact_rows(ops):
     w = bf16_valued((70, 48))
-    product = ops.Bf16WeightLinear(w, None)
+    product = ops.F32PanelLinear(w, None)
     assert product.panels.dtype == torch.bfloat16 and product.panels.numel() == 80 * 48  # 5 panels of 16
     ids = torch.tensor([[0, 69], [15, 16]])
     assert torch.equal(product.rows(ids), w[ids])
     assert product.out_features == 70 and product.in_features == 48
 
 
-def test_weights_that_bf16_cannot_hold_are_refused(ops):
-    w = bf16_valued((16, 32))
+def test_weights_that_bf16_cannot_hold_keep_float32_panels(ops):
+    w = bf16_valued((40, 32))
     assert ops.bf16_exact(w)
     w[3, 5] += 1e-4  # a float32 value between two bf16s
     assert not ops.bf16_exact(w)
-    with pytest.raises(RuntimeError, match="bfloat16 cannot hold"):
-        ops.Bf16WeightLinear(w, None)
+    product = ops.F32PanelLinear(w, None)
+    assert product.panels.dtype == torch.float32 and product.panels.numel() == 48 * 32
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(product.forward(x), reference(x, w), atol=1e-5 * 32**0.5, rtol=1e-5)
+    assert torch.equal(torch.cat([product.forward(x[i : i + 1]) for i in range(7)]), product.forward(x))
+    assert torch.equal(product.rows(torch.tensor([3, 39])), w[[3, 39]])
     with pytest.raises(RuntimeError, match="float32 x"):
-        ops.Bf16WeightLinear(bf16_valued((16, 32)), None).forward(torch.ones(2, 32, dtype=torch.bfloat16))
+        product.forward(torch.ones(2, 32, dtype=torch.bfloat16))
 
 
 # ---- a model ------------------------------------------------------------------------------------
@@ -100,8 +105,8 @@ def test_a_bf16_checkpoint_in_float32_keeps_only_bf16_panels(tiny_model_factory,
     with engine_for(folder) as engine:
         model = engine.loaded.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert linears and all(m.weight is None and type(m.packed).__name__ == "Bf16WeightLinear" for m in linears)
-        assert type(model.output_packed).__name__ == "Bf16WeightLinear"
+        assert linears and all(m.weight is None and type(m.packed).__name__ == "F32PanelLinear" for m in linears)
+        assert type(model.output_packed).__name__ == "F32PanelLinear"
         if model.spec.tie_word_embeddings:
             assert model.model.embed_tokens.weight is None
         assert model.decode_step is not None
@@ -118,7 +123,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(tiny_mo
 
     folder = bf16_checkpoint(tiny_model_factory(arch), tmp_path / arch)
     with engine_for(folder, num_blocks=128) as engine:
-        assert type(engine.loaded.model.output_packed).__name__ == "Bf16WeightLinear"
+        assert type(engine.loaded.model.output_packed).__name__ == "F32PanelLinear"
         logits = recorded_logits(engine)
         prompt = "The quick brown fox jumps over the lazy dog. Paged attention keeps"
         [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -142,10 +147,12 @@ def test_greedy_output_does_not_depend_on_batching(tiny_model_factory, tmp_path,
     assert together == alone
 
 
-def test_float32_weights_stay_float32(tiny_model_factory, everywhere):
+def test_float32_weights_go_on_float32_panels(tiny_model_factory, everywhere):
     with engine_for(tiny_model_factory("llama3")) as engine:  # random float32 values: not bf16
-        assert all(m.packed is None and m.weight.dtype == torch.float32
-                   for m in engine.loaded.model.modules() if isinstance(m, Linear))
+        model = engine.loaded.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.weight is None and m.packed_weight.dtype == torch.float32 for m in linears)
+        assert model.output_packed.panels.dtype == torch.float32 and model.decode_step is not None
 
 
 def test_the_avx2_level_alone_keeps_bf16_weights_unless_turned_off(tiny_model_factory, tmp_path, monkeypatch):
@@ -154,7 +161,7 @@ def test_the_avx2_level_alone_keeps_bf16_weights_unless_turned_off(tiny_model_fa
     if native.level() == "avx2":
         folder = bf16_checkpoint(tiny_model_factory("llama3"), tmp_path / "m")
         with engine_for(folder) as engine:  # the real choice, no fixture: this level keeps bf16
-            assert type(engine.loaded.model.output_packed).__name__ == "Bf16WeightLinear"
+            assert type(engine.loaded.model.output_packed).__name__ == "F32PanelLinear"
         monkeypatch.setenv(native.BF16_WEIGHTS_VAR, "0")
         assert not native.bf16_weights_wanted(ops)
         with engine_for(folder) as engine:

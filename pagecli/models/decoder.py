@@ -147,24 +147,24 @@ class CausalLM(nn.Module):
                         module.quantize_int8(int8_ops, exact)
         layer.quantized_as = quantize
 
-    def keep_bf16_layer(self, index: int, ops: Any) -> None:
-        """Decoder layer `index`'s float32 Linears whose weights hold only bfloat16 values kept in bf16
-        (Linear.keep_bf16), as use_cpu_ops keeps them where native.bf16_weights_wanted; called as each
+    def float_panels_layer(self, index: int, ops: Any) -> None:
+        """Decoder layer `index`'s float32 Linears on F32PanelLinear (Linear.use_float_panels: bf16 where
+        that loses nothing), as use_cpu_ops puts them where native.bf16_weights_wanted; called as each
         layer loads too, so a float32 model converted from bf16 never holds all its weights in float32."""
         for module in self.model.layers[index].modules():
             if isinstance(module, Linear):
-                module.keep_bf16(ops)
+                module.use_float_panels(ops)
 
-    def _keep_bf16_output(self, ops: Any) -> None:
-        """The output layer in bf16 as keep_bf16_layer keeps the others; a tied table is then kept only
-        there, its rows read back for the lookup (exactly: they are bf16 values)."""
+    def _float_panels_output(self, ops: Any) -> None:
+        """The output layer on F32PanelLinear as float_panels_layer puts the others; a tied table is then
+        kept only there, its rows read back for the lookup (exactly)."""
         if not self.spec.tie_word_embeddings:
-            self.lm_head.keep_bf16(ops)
+            self.lm_head.use_float_panels(ops)
             self.output_packed = self.lm_head.packed
             return
         table = self.model.embed_tokens.weight
-        if table is not None and table.dtype == torch.float32 and ops.bf16_exact(table.detach()):
-            self.output_packed = ops.Bf16WeightLinear(table.detach(), None)
+        if table is not None and table.dtype == torch.float32:
+            self.output_packed = ops.F32PanelLinear(table.detach(), None)
             self.model.embed_tokens.share_packed(self.output_packed)
 
     def _quantize_kernels(self, quantize: str, ops: Any) -> tuple[Any, Any, bool]:
@@ -212,9 +212,9 @@ class CausalLM(nn.Module):
         row-layout weights are dropped. A tied embedding table is then kept only packed too, its
         rows read back from the panels (nothing doubles). None: where pagecli.native.packed_gemm_wanted.
 
-        bf16_weights (float32 models, unquantized): weights whose values are all bfloat16 kept in bf16
-        (keep_bf16_layer), the output layer's and a tied table's too. None: where
-        pagecli.native.bf16_weights_wanted (the avx2 level)."""
+        bf16_weights (float32 models, unquantized): every product on F32PanelLinear, weights whose
+        values are all bfloat16 kept in bf16 (float_panels_layer), the output layer's and a tied
+        table's too. None: where pagecli.native.bf16_weights_wanted (the avx2 level)."""
         if packed is None:
             packed = native.packed_gemm_wanted(ops)
         if bf16_weights is None:
@@ -222,9 +222,9 @@ class CausalLM(nn.Module):
         self.quantize_weights(quantize, ops)
         if bf16_weights and quantize == "none" and self.model.norm.weight.dtype == torch.float32:
             for index in range(len(self.model.layers)):
-                self.keep_bf16_layer(index, ops)
+                self.float_panels_layer(index, ops)
             if self.output_packed is None:
-                self._keep_bf16_output(ops)
+                self._float_panels_output(ops)
         bf16 = self.model.norm.weight.dtype == torch.bfloat16
         packed = packed and bf16
         linear_kernel = ops.linear if bf16 else None
@@ -285,7 +285,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _packed_products(layer: DecoderLayer) -> list[Any]:
-        """One layer's packed products (PackedLinear, Bf16WeightLinear, PackedLinearInt8, ...; None where
+        """One layer's packed products (PackedLinear, F32PanelLinear, PackedLinearInt8, ...; None where
         the weight is in row layout) in DecodeStep's order: qkv, o, gate_up, down."""
         attn, mlp = layer.self_attn, layer.mlp
         return [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]

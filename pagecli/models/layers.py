@@ -105,7 +105,7 @@ class Linear(nn.Linear):
     is None and `packed_weight` holds what is kept (so parameter byte counts see the real layout)."""
 
     kernel: LinearKernel | None = None
-    packed: Any = None  # PackedLinear, Bf16WeightLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
+    packed: Any = None  # PackedLinear, F32PanelLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
 
     def reset_parameters(self) -> None:
         pass
@@ -117,16 +117,15 @@ class Linear(nn.Linear):
             self.weight = None
             self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
 
-    def keep_bf16(self, ops: Any) -> None:
-        """A float32 weight whose values are all bfloat16 (a model converted from a bf16 checkpoint)
-        kept in bf16 panels, run by pagecli.native's Bf16WeightLinear on float32 activations: half the
-        bytes, the same values. Any other weight stays as it is."""
+    def use_float_panels(self, ops: Any) -> None:
+        """A float32 weight moved into pagecli.native's F32PanelLinear, run on float32 activations: kept
+        in bf16 where every value is a bfloat16 (a model converted from a bf16 checkpoint: half the
+        bytes, the same values), else in float32. Any other weight stays as it is."""
         if self.packed is not None or self.weight is None or self.weight.dtype != torch.float32:
             return
-        if ops.bf16_exact(self.weight.detach()):
-            self.packed = ops.Bf16WeightLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
-            self.weight = None
-            self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
+        self.packed = ops.F32PanelLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
+        self.weight = None
+        self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
 
     def quantize_int8(self, ops: Any, float_activations: bool = False) -> None:
         """Replace the weight by int8 and a scale per output channel and 64-block (pagecli.models.quantize), run by

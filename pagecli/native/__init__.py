@@ -93,10 +93,11 @@ BF16_WEIGHTS_VAR = "PAGECLI_BF16_WEIGHTS"
 
 
 def bf16_weights_wanted(ops: ModuleType) -> bool:
-    """Whether a float32 model keeps its bf16-valued weights in bf16 (bf16_weights.cpp): at the avx2
-    level, where float32 is the default dtype because the CPU has no bf16 arithmetic, unless
-    PAGECLI_BF16_WEIGHTS=0 keeps every weight in float32 (for A/B runs). Halves the bytes a decode step
-    reads; the products are the same numbers, summed in another order than PyTorch's."""
+    """Whether a float32 model runs its products on F32PanelLinear (bf16_weights.cpp), bf16-valued
+    weights kept in bf16: at the avx2 level, where float32 is the default dtype because the CPU has no
+    bf16 arithmetic, unless PAGECLI_BF16_WEIGHTS=0 keeps every weight float32 on PyTorch's products
+    (for A/B runs). Halves the bytes a decode step reads where the weights allow; the products are the
+    same numbers, summed in another order than PyTorch's."""
     if os.environ.get(BF16_WEIGHTS_VAR, "1").strip().lower() in _OFF:
         return False
     return bool(ops.has_bf16_weight_linear()) and level() == "avx2"

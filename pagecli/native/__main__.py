@@ -63,9 +63,10 @@ def quantized_kernels(ops) -> str:
 def float32_weights(ops) -> str:
     """How a float32 model's weights are kept at this level, in words (native.bf16_weights_wanted)."""
     if native.bf16_weights_wanted(ops):
-        return (f"weights that hold only bfloat16 values (converted from a bf16 checkpoint) kept in bf16, "
-                f"half the bytes, the same products ({native.BF16_WEIGHTS_VAR}=0 keeps float32)")
-    return "weights kept in float32"
+        return (f"products on 16-column panels, weights that hold only bfloat16 values (converted from a bf16 "
+                f"checkpoint) kept in bf16, half the bytes, the same products ({native.BF16_WEIGHTS_VAR}=0: "
+                f"float32 weights on PyTorch's products)")
+    return "float32 weights on PyTorch's products"
 
 
 if __name__ == "__main__":

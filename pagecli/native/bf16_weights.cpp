@@ -1,5 +1,7 @@
-// Float32 activations times weights kept in bfloat16 (bf16_weights.h), for float32 models on the
-// avx2 level: CPUs without bf16 arithmetic (AMD Zen 2/3, Intel before Cooper Lake, most laptops).
+// Float32 activations times weights kept in 16-column panels, in bfloat16 where every value is one
+// (bf16_weights.h), for float32 models on the avx2 level: CPUs without bf16 arithmetic (AMD Zen 2/3,
+// Intel before Cooper Lake, most laptops). Other weights keep float32 in the same panels: the tile
+// streams them at the memory's rate, where PyTorch's float32 product of a few rows does not.
 //
 // Why: at the avx2 level a model runs in float32, and a decode step reads every weight once, four
 // bytes each. Nearly every checkpoint is published in bf16, and a float32 model converted from one
@@ -44,6 +46,19 @@ struct Bf16Panels {
     hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   }
 };
+
+// Weights bfloat16 cannot hold (a float32 checkpoint, a model dequantized from a GGUF file): the same
+// panels in float32, columns in order, two loads.
+struct F32Panels {
+  const float* data;  // [ceil(N / 16), K, 16]
+  int64_t K;
+
+  void widen(int64_t p, int64_t k, __m256& lo, __m256& hi) const {
+    const float* row = data + (p * K + k) * kCols;
+    lo = _mm256_loadu_ps(row);
+    hi = _mm256_loadu_ps(row + 8);
+  }
+};
 #endif
 
 }  // namespace
@@ -64,54 +79,69 @@ bool bf16_exact(const at::Tensor& w) {
 
 bool has_bf16_weight_linear() { return PAGECLI_PANEL_F32; }
 
-Bf16WeightLinear::Bf16WeightLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias)
+F32PanelLinear::F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias)
     : N_(w.dim() == 2 ? w.size(0) : 0), K_(w.dim() == 2 ? w.size(1) : 0) {
-  TORCH_CHECK(PAGECLI_PANEL_F32, "Bf16WeightLinear needs AVX2 and FMA, which this build lacks");
+  TORCH_CHECK(PAGECLI_PANEL_F32, "F32PanelLinear needs AVX2 and FMA, which this build lacks");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && N_ > 0 && K_ > 0 &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "Bf16WeightLinear takes a float32 or bf16 [N, K] CPU weight");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || bf16_exact(w),
-              "Bf16WeightLinear: the weight has values that bfloat16 cannot hold; it would change the products");
+              "F32PanelLinear takes a float32 or bf16 [N, K] CPU weight");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, "bias must have N = ", N_, " values");
     bias_ = bias->to(at::kFloat).contiguous().clone();
   }
-  const at::Tensor src = w.to(at::kBFloat16).contiguous();  // exact: checked above
   const int64_t num_panels = ceil_div(N_, kCols);
-  panels_ = weight_zeros({num_panels, K_, kCols}, at::kBFloat16);
-  pack_f32_panels(reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<uint16_t*>(panels_.data_ptr<at::BFloat16>()), N_, K_, bf16_slot);
+  if (w.scalar_type() == at::kBFloat16 || bf16_exact(w)) {
+    const at::Tensor src = w.to(at::kBFloat16).contiguous();  // exact
+    panels_ = weight_zeros({num_panels, K_, kCols}, at::kBFloat16);
+    pack_f32_panels(reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(panels_.data_ptr<at::BFloat16>()), N_, K_, bf16_slot);
+  } else {
+    const at::Tensor src = w.contiguous();
+    panels_ = weight_zeros({num_panels, K_, kCols}, at::kFloat);
+    pack_f32_panels(src.data_ptr<float>(), panels_.data_ptr<float>(), N_, K_, [](int64_t c) { return c; });
+  }
 }
 
-at::Tensor Bf16WeightLinear::forward(const at::Tensor& x) const {
+at::Tensor F32PanelLinear::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_ && x.scalar_type() == at::kFloat,
-              "Bf16WeightLinear takes float32 x [..., ", K_, "]");
+              "F32PanelLinear takes float32 x [..., ", K_, "]");
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();
   const int64_t M = x2.size(0);
   auto y = at::empty({M, N_}, x2.options());
 #if PAGECLI_PANEL_F32
-  panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_},
-                x2.data_ptr<float>(), bias_.defined() ? bias_.data_ptr<float>() : nullptr, y.data_ptr<float>(), M,
-                N_, K_);
+  const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+  if (panels_.scalar_type() == at::kBFloat16) {
+    panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_},
+                  x2.data_ptr<float>(), bp, y.data_ptr<float>(), M, N_, K_);
+  } else {
+    panel_product(F32Panels{panels_.data_ptr<float>(), K_}, x2.data_ptr<float>(), bp, y.data_ptr<float>(), M, N_, K_);
+  }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);
 }
 
-at::Tensor Bf16WeightLinear::rows(const at::Tensor& ids) const {
+at::Tensor F32PanelLinear::rows(const at::Tensor& ids) const {
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
   const int64_t count = flat.numel(), K = K_;
   const int64_t* ip = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N_, "row id ", ip[i], " out of range");
   auto out = at::empty({count, K_}, panels_.options().dtype(at::kFloat));
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>());
   uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  const bool bf16 = panels_.scalar_type() == at::kBFloat16;
+  const uint16_t* d16 = bf16 ? reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()) : nullptr;
+  const uint32_t* d32 = bf16 ? nullptr : reinterpret_cast<const uint32_t*>(panels_.data_ptr<float>());
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = ip[i] / kCols, c = ip[i] % kCols;
-      const uint16_t* src = d + p * K * kCols + bf16_slot(c);
-      for (int64_t k = 0; k < K; ++k) op[i * K + k] = static_cast<uint32_t>(src[k * kCols]) << 16;
+      if (bf16) {
+        const uint16_t* src = d16 + p * K * kCols + bf16_slot(c);
+        for (int64_t k = 0; k < K; ++k) op[i * K + k] = static_cast<uint32_t>(src[k * kCols]) << 16;
+      } else {
+        const uint32_t* src = d32 + p * K * kCols + c;
+        for (int64_t k = 0; k < K; ++k) op[i * K + k] = src[k * kCols];
+      }
     }
   });
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());

@@ -1,5 +1,6 @@
-// Entry points of bf16_weights.cpp: float32 activations times weights kept in bfloat16, for float32
-// models on CPUs without bf16 arithmetic (the avx2 level), bound into the extension by bindings.cpp.
+// Entry points of bf16_weights.cpp: float32 activations times weights kept in panels, in bfloat16 where
+// that loses nothing, for float32 models on CPUs without bf16 arithmetic (the avx2 level), bound into
+// the extension by bindings.cpp.
 
 #pragma once
 
@@ -15,15 +16,16 @@ namespace pagecli {
 // checkpoint, the embedded SmolLM2 among them.
 bool bf16_exact(const at::Tensor& w);
 
-// Whether this build has the kernel (AVX2 and FMA); without it Bf16WeightLinear raises.
+// Whether this build has the kernel (AVX2 and FMA); without it F32PanelLinear raises.
 bool has_bf16_weight_linear();
 
-// One float32 weight [N, K] whose values are all bfloat16 (bf16_exact), kept in bf16 panels: half the
-// bytes a decode step reads, the same products. x [..., K] float32 -> [..., N] float32; each output
-// sums its K products in k order in one fp32 lane, so a row gets the same bits alone or in any batch.
-class Bf16WeightLinear : public PackedProduct {
+// One float32 weight [N, K] in 16-column panels (panel_f32.h): in bf16 when its values are all
+// bfloat16 (bf16_exact; half the bytes a decode step reads, the same products), else in float32.
+// x [..., K] float32 -> [..., N] float32; each output sums its K products in k order in one fp32
+// lane, so a row gets the same bits alone or in any batch.
+class F32PanelLinear : public PackedProduct {
  public:
-  Bf16WeightLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+  F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
   at::Tensor forward(const at::Tensor& x) const override;
   // w[ids] [*ids.shape, K] float32, read back from the panels (exact): an embedding table shared
@@ -35,7 +37,7 @@ class Bf16WeightLinear : public PackedProduct {
   int64_t in_features() const { return K_; }
 
  private:
-  at::Tensor panels_;  // [ceil(N / 16), K, 16] bf16 (layout in bf16_weights.cpp)
+  at::Tensor panels_;  // [ceil(N / 16), K, 16] bf16 or float32 (layout in bf16_weights.cpp)
   at::Tensor bias_;    // [N] fp32, or undefined
   int64_t N_, K_;
 };

@@ -53,17 +53,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("panels", &pagecli::PackedLinear::panels)
       .def_property_readonly("out_features", &pagecli::PackedLinear::out_features)
       .def_property_readonly("in_features", &pagecli::PackedLinear::in_features);
-  pybind11::class_<pagecli::Bf16WeightLinear, pagecli::PackedProduct, std::shared_ptr<pagecli::Bf16WeightLinear>>(
-      m, "Bf16WeightLinear", pybind11::module_local())
+  pybind11::class_<pagecli::F32PanelLinear, pagecli::PackedProduct, std::shared_ptr<pagecli::F32PanelLinear>>(
+      m, "F32PanelLinear", pybind11::module_local())
       .def(pybind11::init<const torch::Tensor&, const c10::optional<torch::Tensor>&>(), pybind11::arg("weight"),
            pybind11::arg("bias") = pybind11::none())
-      .def("rows", &pagecli::Bf16WeightLinear::rows, "w[ids] [..., K] float32, read from the panels")
-      .def_property_readonly("panels", &pagecli::Bf16WeightLinear::panels)
-      .def_property_readonly("out_features", &pagecli::Bf16WeightLinear::out_features)
-      .def_property_readonly("in_features", &pagecli::Bf16WeightLinear::in_features);
+      .def("rows", &pagecli::F32PanelLinear::rows, "w[ids] [..., K] float32, read from the panels")
+      .def_property_readonly("panels", &pagecli::F32PanelLinear::panels)
+      .def_property_readonly("out_features", &pagecli::F32PanelLinear::out_features)
+      .def_property_readonly("in_features", &pagecli::F32PanelLinear::in_features);
   m.def("bf16_exact", &pagecli::bf16_exact, "Whether every value of a float32 tensor is a bfloat16");
   m.def("has_bf16_weight_linear", &pagecli::has_bf16_weight_linear,
-        "Whether Bf16WeightLinear was built (AVX2 and FMA)");
+        "Whether F32PanelLinear was built (AVX2 and FMA)");
   pybind11::class_<pagecli::PackedLinearInt8, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinearInt8>>(
       m, "PackedLinearInt8", pybind11::module_local())
       .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, bool>(),

@@ -24,7 +24,7 @@ class DecodeStep {
   // weight, down bias.
   using Layer = std::vector<c10::optional<torch::Tensor>>;
   // Per layer, the four products (qkv, o, gate_up, down) packed at load (PackedLinear,
-  // PackedLinearInt8 with --quantize int8, Bf16WeightLinear for float32 models at the avx2 level);
+  // PackedLinearInt8 with --quantize int8, F32PanelLinear for float32 models at the avx2 level);
   // their weights and biases in Layer are then None. A null product, or an empty list: that product
   // by native_linear over Layer's weights.
   using PackedLayer = std::vector<std::shared_ptr<PackedProduct>>;
