@@ -91,7 +91,11 @@ def test_every_beam_and_score_equals_transformers(arch, eos_models):
 
 
 def test_scores_are_best_first_and_n_returns_the_best_n(eos_models):
-    engine = engine_for(eos_models["llama"])
+    # No prefix caching: the second call would prefill only the prompt's last token over the cached
+    # blocks, whose attention (PyTorch's SDPA here) may round the last bit of a logit differently
+    # from the whole prompt's (1e-7 apart in float32, with either product kernel); this test is about
+    # which beams n returns, and compares their scores exactly.
+    engine = engine_for(eos_models["llama"], enable_prefix_caching=False)
     four = engine.generate([PROMPT], beam_params(4, 10, n=4))
     assert [c.index for c in four] == [0, 1, 2, 3]
     assert [c.score for c in four] == sorted((c.score for c in four), reverse=True)

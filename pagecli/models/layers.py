@@ -105,7 +105,7 @@ class Linear(nn.Linear):
     is None and `packed_weight` holds what is kept (so parameter byte counts see the real layout)."""
 
     kernel: LinearKernel | None = None
-    packed: Any = None  # PackedLinear, F32PanelLinear, PackedLinearInt8 or Int8Reference: what runs the product, once set
+    packed: Any = None  # PackedLinear, F32PanelLinear, PackedLinearInt8, ...: what runs the product, once set
 
     def reset_parameters(self) -> None:
         pass

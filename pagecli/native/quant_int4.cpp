@@ -247,11 +247,9 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
 #endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) {
-    const at::Tensor xf = x2.to(at::kFloat).contiguous();
-    y = at::empty({xf.size(0), N_}, xf.options());
-    panel_product(Int4Panels{weights_.data_ptr<uint8_t>(), scale_min_.data_ptr<float>(), K_, scale_min_.size(1)},
-                  xf.data_ptr<float>(), bp, y.data_ptr<float>(), xf.size(0), N_, K_);
-    y = y.to(x.scalar_type());
+    y = panel_product_of(Int4Panels{weights_.data_ptr<uint8_t>(), scale_min_.data_ptr<float>(), K_,
+                                    scale_min_.size(1)},
+                         x2, bp, N_, K_);
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -232,11 +232,8 @@ at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
 #endif
 #if PAGECLI_INT8_AVX2
   if (!vnni_) {
-    const at::Tensor xf = x2.to(at::kFloat).contiguous();
-    y = at::empty({xf.size(0), N_}, xf.options());
-    panel_product(Int8Panels{weights_.data_ptr<int8_t>(), scale_.data_ptr<float>(), K_, scale_.size(1)},
-                  xf.data_ptr<float>(), bp, y.data_ptr<float>(), xf.size(0), N_, K_);
-    y = y.to(x.scalar_type());
+    y = panel_product_of(Int8Panels{weights_.data_ptr<int8_t>(), scale_.data_ptr<float>(), K_, scale_.size(1)}, x2,
+                         bp, N_, K_);
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
