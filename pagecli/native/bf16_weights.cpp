@@ -105,17 +105,14 @@ F32PanelLinear::F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tens
 at::Tensor F32PanelLinear::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_ && x.scalar_type() == at::kFloat,
               "F32PanelLinear takes float32 x [..., ", K_, "]");
-  const at::Tensor x2 = x.reshape({-1, K_}).contiguous();
-  const int64_t M = x2.size(0);
-  auto y = at::empty({M, N_}, x2.options());
+  const at::Tensor x2 = x.reshape({-1, K_});
+  at::Tensor y;
 #if PAGECLI_PANEL_F32
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-  if (panels_.scalar_type() == at::kBFloat16) {
-    panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_},
-                  x2.data_ptr<float>(), bp, y.data_ptr<float>(), M, N_, K_);
-  } else {
-    panel_product(F32Panels{panels_.data_ptr<float>(), K_}, x2.data_ptr<float>(), bp, y.data_ptr<float>(), M, N_, K_);
-  }
+  y = panels_.scalar_type() == at::kBFloat16
+          ? panel_product_of(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_},
+                             x2, bp, N_, K_)
+          : panel_product_of(F32Panels{panels_.data_ptr<float>(), K_}, x2, bp, N_, K_);
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;

@@ -57,6 +57,15 @@
 namespace pagecli {
 namespace {
 
+// scale [N, B] -> [ceil(N / cols), B, cols] in `dtype`, zero past N: each panel's scales, a block at a
+// time (the VNNI panels' 48 columns in bf16, the AVX2 panels' 16 in fp32).
+at::Tensor scales_by_panel(const at::Tensor& scale, int64_t cols, at::ScalarType dtype) {
+  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, cols);
+  auto padded = at::zeros({num_panels * cols, B}, scale.options().dtype(dtype));
+  padded.narrow(0, 0, N).copy_(scale);
+  return padded.view({num_panels, cols, B}).transpose(1, 2).contiguous();
+}
+
 constexpr int64_t kPanelCols = kPackedPanelCols;  // output columns per panel (gemm_bf16.h's layout)
 
 #if PAGECLI_INT8_VNNI
@@ -82,13 +91,6 @@ at::Tensor pack_int8(const at::Tensor& q) {
   return packed;
 }
 
-// scale [N, B] bf16 -> bf16 bits [ceil(N / 48), B, 48], zero past N.
-at::Tensor pack_scales(const at::Tensor& scale) {
-  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, kPanelCols);
-  auto packed = at::zeros({num_panels * kPanelCols, B}, scale.options());
-  packed.narrow(0, 0, N).copy_(scale);
-  return packed.view({num_panels, kPanelCols, B}).transpose(1, 2).contiguous();  // [panels, B, 48]
-}
 
 struct Tile : TileRows {
   int64_t blocks;          // Kp / 64
@@ -180,13 +182,6 @@ struct Int8Panels {
   }
 };
 
-// scale [N, B] bf16 -> fp32 [ceil(N / 16), B, 16], zero past N.
-at::Tensor panel_scales(const at::Tensor& scale) {
-  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, kPanelF32Cols);
-  auto padded = at::zeros({num_panels * kPanelF32Cols, B}, scale.options().dtype(at::kFloat));
-  padded.narrow(0, 0, N).copy_(scale);
-  return padded.view({num_panels, kPanelF32Cols, B}).transpose(1, 2).contiguous();
-}
 #endif
 
 }  // namespace
@@ -209,14 +204,14 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
 #if PAGECLI_INT8_VNNI
   if (vnni_) {
     weights_ = pack_int8(q);
-    scale_ = pack_scales(scale);
+    scale_ = scales_by_panel(scale, kPanelCols, at::kBFloat16);
     return;
   }
 #endif
 #if PAGECLI_INT8_AVX2
   weights_ = weight_zeros({ceil_div(N_, kPanelF32Cols), K_, kPanelF32Cols}, at::kChar);
   pack_f32_panels(q.data_ptr<int8_t>(), weights_.data_ptr<int8_t>(), N_, K_, [](int64_t c) { return c; });
-  scale_ = panel_scales(scale);
+  scale_ = scales_by_panel(scale, kPanelF32Cols, at::kFloat);
 #endif
 }
 
