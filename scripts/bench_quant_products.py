@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--float32", action="store_true",
                     help="float32 activations, as float32 models run (the avx2 level's default): int8 and int4 "
-                         "keep them float, bf16 is F32PanelLinear (weights kept in bf16), f32 is PyTorch's "
+                         "round them to int16 (the avx2 kernels), bf16 is F32PanelLinear (weights kept in bf16), f32 is PyTorch's "
                          "float32 product")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -63,8 +63,8 @@ def main() -> None:
     for n, k, what in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.02
         q, scale = quantize_int8(w)
-        int8 = ops.PackedLinearInt8(q, scale, None, float_activations=args.float32) if kind else None
-        int4 = ops.PackedLinearInt4(*quantize_int4(w), None, float_activations=args.float32) if kind4 else None
+        int8 = ops.PackedLinearInt8(q, scale, None, int16_activations=args.float32) if kind else None
+        int4 = ops.PackedLinearInt4(*quantize_int4(w), None, int16_activations=args.float32) if kind4 else None
         if args.float32:
             w32 = w.bfloat16().float()
             packed = ops.F32PanelLinear(w32, None) if bf16 else None

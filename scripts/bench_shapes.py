@@ -18,7 +18,7 @@ contenders alternating within every repetition; medians with the range:
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
 pagecli runs in its default dtype (bf16 where the CPU has bf16 arithmetic, else float32), once per
 --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value ending in @float32 loads the model
-in float32, whose quantized products keep float activations; one starting VAR=VALUE: sets that
+in float32, whose quantized products round activations to int16; one starting VAR=VALUE: sets that
 variable for its runs, e.g. PAGECLI_BF16_WEIGHTS=0:none@float32;
 `gguf` loads the first of --ggufs, DIR.<KIND>.gguf, and runs its blocks as they lie);
 llama.cpp with -t THREADS and --llama-extra's flags (both tools: `-fa`, `-ub`, `-ctk`/`-ctv`, ...);

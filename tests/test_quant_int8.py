@@ -1,13 +1,11 @@
 """int8 weights (--quantize int8): symmetric per output channel, quantized at load, multiplied by
 pagecli.native's int8 kernels (AVX512-VNNI: activations rounded to int8 per 64-block, exact integer
-block sums with vpdpbusd; AVX2: FMA over the rows as they lie) or the PyTorch reference.
+block sums with vpdpbusd; AVX2: activations rounded to int16 per 64-block, block sums with
+vpmaddwd) or the PyTorch reference.
 
-Tolerances: the AVX2 kernel's products of float activations and int8 weights are exact in fp32 and
-only the sum order and the final rounding differ from float32 math on the dequantized weights, so a
-bf16 output is within 1e-2 (relative) + 1e-2 * sqrt(K) (absolute) of it, as the bf16 GEMM's tests
-allow; float32 outputs within 1e-4 * sqrt(K). The VNNI kernel is held to its own arithmetic in
-PyTorch (int8_blocks_reference) to fp32 rounding, and to float32 math within the most its
-activation rounding can move each output (computed per output, not a fixed tolerance).
+Tolerances: each kernel is held to its own arithmetic in PyTorch (int8_blocks_reference with the
+kernel's activation levels) to fp32 rounding, and to float32 math on the dequantized weights within
+the most its activation rounding can move each output (computed per output, not a fixed tolerance).
 """
 
 from __future__ import annotations
@@ -22,12 +20,14 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import PagecliError
 from pagecli.models.layers import Linear
-from pagecli.models.quantize import (ACTIVATION_BLOCK, Int8Reference, block_scales, dequantize_int8,
-                                     int8_blocks_reference, quantize_int8)
+from pagecli.models.quantize import (ACTIVATION_BLOCK, INT8_LEVELS, INT16_LEVELS, Int8Reference, block_scales,
+                                     dequantize_int8, int8_blocks_reference, quantize_int8)
 from pagecli.native import isa
 from test_quant_invariance import quantized_engine
 
 COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
+# The native quantized kernels: (kind, its activations' levels, int16_activations to ask for it).
+KERNELS = [("avx512_vnni", INT8_LEVELS, False), ("avx2", INT16_LEVELS, True)]
 ROWS = (1, 2, 3, 5, 8, 13, 130)
 
 
@@ -89,58 +89,39 @@ def test_quantizing_gives_the_definitions_bits_and_leaves_the_weight_alone(dtype
     assert torch.equal(w, before)
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_avx2_int8_kernel_matches_float32_math_on_the_dequantized_weights(ops, in_features, out_features, bias):
-    """The float-activation kernel: what AVX2 builds run, and VNNI builds for float32 models."""
-    _, q, scale, b = int8_case(1, in_features, out_features, bias)
-    layer = ops.PackedLinearInt8(q, scale, b, float_activations=True)
-    assert layer.kind == "avx2"
-    weights = dequantize_int8(q, scale)
-    for dtype in (torch.bfloat16, torch.float32):
-        for rows in ROWS:
-            x, _, _, _ = int8_case(rows, in_features, out_features, bias, dtype=dtype, seed=1)
-            got = layer.forward(x)
-            expected = x.float() @ weights.T + (b.float() if bias else 0)
-            atol = (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(in_features)
-            assert got.dtype == dtype and got.shape == (rows, out_features)
-            torch.testing.assert_close(got.float(), expected, atol=atol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
-                                       msg=lambda m, rows=rows: f"{rows} rows: {m}")
-            reference = Int8Reference(q, scale, b).forward(x)
-            torch.testing.assert_close(got.float(), reference.float(), atol=atol, rtol=1e-2)
-
-
-def activation_rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The most that rounding x to int8 in blocks of 64 (each value moves at most half a step,
-    max |x of its block| / 254) can move each output of x @ weights.T: [M, N]. weights [N, K] float."""
+def activation_rounding_bound(x: torch.Tensor, weights: torch.Tensor, levels: int) -> torch.Tensor:
+    """The most that rounding x to [-levels, levels] in blocks of 64 (each value moves at most half a
+    step, max |x of its block| / (2 levels)) can move each output of x @ weights.T: [M, N]. weights
+    [N, K] float."""
     K = x.shape[-1]
     blocks = -(-K // ACTIVATION_BLOCK)
     pad = blocks * ACTIVATION_BLOCK - K
-    half_step = torch.nn.functional.pad(x.float(), (0, pad)).view(len(x), blocks, -1).abs().amax(-1) / 254  # [M, B]
+    half_step = torch.nn.functional.pad(x.float(), (0, pad)).view(len(x), blocks, -1).abs().amax(-1) / (2 * levels)  # [M, B]
     weight_mass = torch.nn.functional.pad(weights.float().abs(), (0, pad)).view(len(weights), blocks, -1).sum(-1)
     return half_step @ weight_mass.T  # [M, N]
 
 
-def check_vnni_product(got: torch.Tensor, x: torch.Tensor, reference: torch.Tensor, weights: torch.Tensor,
-                       bias: torch.Tensor | None, what: str) -> None:
-    """A VNNI product's output against its arithmetic in PyTorch (fp32 outputs within 1e-5 relative,
-    bf16 and fp16 within their own rounding) and against float math (assert_within_activation_rounding)."""
+def check_quantized_product(got: torch.Tensor, x: torch.Tensor, reference: torch.Tensor, weights: torch.Tensor,
+                            bias: torch.Tensor | None, levels: int, what: str) -> None:
+    """A native quantized product's output against its arithmetic in PyTorch (fp32 outputs within
+    1e-5 relative, bf16 and fp16 within their own rounding) and against float math
+    (assert_within_activation_rounding)."""
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * math.sqrt(x.shape[-1]),
                                    msg=lambda m: f"{what}: {m}")
     else:
         torch.testing.assert_close(got, reference.to(got.dtype), rtol=2 ** -7, atol=1e-3,
                                    msg=lambda m: f"{what}: {m}")
-    assert_within_activation_rounding(got, x, weights, bias, what)
+    assert_within_activation_rounding(got, x, weights, bias, levels, what)
 
 
 def assert_within_activation_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
-                                      bias: torch.Tensor | None, what: str) -> None:
-    """got (a VNNI product of x) against float32 math on the dequantized weights: within what rounding
-    the activations allows, plus the output dtype's own rounding."""
+                                      bias: torch.Tensor | None, levels: int, what: str) -> None:
+    """got (a quantized product of x) against float32 math on the dequantized weights: within what
+    rounding the activations allows, plus the output dtype's own rounding."""
     expected = x.float() @ weights.T + (bias.float() if bias is not None else 0)
     own_rounding = 2 ** -7 * expected.abs() + 1e-3 if got.dtype != torch.float32 else 1e-4
-    excess = (got.float() - expected).abs() - activation_rounding_bound(x, weights) - own_rounding
+    excess = (got.float() - expected).abs() - activation_rounding_bound(x, weights, levels) - own_rounding
     assert excess.max() <= 0, f"{what}: {excess.max()} past the bound"
 
 
@@ -148,15 +129,18 @@ def assert_within_activation_rounding(got: torch.Tensor, x: torch.Tensor, weight
 @pytest.mark.parametrize(("in_features", "out_features"), [(33, 16), (100, 49), (576, 1000), (1, 3), (130, 97),
                                                            (8200, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_vnni_int8_kernel_is_its_reference_and_within_the_rounding_of_float_math(ops, in_features, out_features,
-                                                                                     bias):
-    """The VNNI kernel against int8_blocks_reference (the same arithmetic: fp32 output within 1e-5
-    relative, bf16 and fp16 within their own rounding), and against float32 math on the dequantized
-    weights within what rounding the activations to int8 can move (activation_rounding_bound)."""
-    if ops.int8_linear_kind() != "avx512_vnni":
-        pytest.skip("this build's int8 kernel keeps its activations float (the AVX2 test above)")
+@pytest.mark.parametrize(("kind", "levels", "int16"), KERNELS)
+def test_each_int8_kernel_is_its_reference_and_within_the_rounding_of_float_math(ops, in_features, out_features,
+                                                                                bias, kind, levels, int16):
+    """Each kernel against int8_blocks_reference with its activations' levels (the same arithmetic:
+    fp32 output within 1e-5 relative, bf16 and fp16 within their own rounding), and against float32
+    math on the dequantized weights within what rounding the activations can move
+    (activation_rounding_bound)."""
+    if kind == "avx512_vnni" and ops.int8_linear_kind() != kind:
+        pytest.skip("this build has no AVX512-VNNI int8 kernel")
     _, q, scale, b = int8_case(1, in_features, out_features, bias)
-    layer = ops.PackedLinearInt8(q, scale, b)
+    layer = ops.PackedLinearInt8(q, scale, b, int16_activations=int16)
+    assert layer.kind == kind
     weights = dequantize_int8(q, scale)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for rows in ROWS:
@@ -164,29 +148,32 @@ def test_the_vnni_int8_kernel_is_its_reference_and_within_the_rounding_of_float_
             x[0, : min(5, in_features)] = 0  # a block that is partly (or, at K = 1, wholly) zero
             got = layer.forward(x)
             assert got.dtype == dtype and got.shape == (rows, out_features)
-            check_vnni_product(got, x, int8_blocks_reference(x, q, scale, b), weights, b, f"{dtype}, {rows} rows")
+            check_quantized_product(got, x, int8_blocks_reference(x, q, scale, b, levels), weights, b, levels,
+                                    f"{dtype}, {rows} rows")
 
 
-def test_the_vnni_int8_kernel_takes_extreme_activations():
+@pytest.mark.parametrize(("kind", "levels", "int16"), KERNELS)
+def test_each_int8_kernel_takes_extreme_activations(kind, levels, int16):
     """Blocks whose values span 1e-30..1e30, a row of denormal-sized values (rounded to zeros) and an
     all-zero row: finite, and the reference's values."""
     ops = native.cpu_ops_for(COMPILED_LEVELS[0]) if COMPILED_LEVELS and native.enabled() else None
-    if ops is None or ops.int8_linear_kind() != "avx512_vnni":
-        pytest.skip("no AVX512-VNNI int8 kernel on this machine")
+    if ops is None or not ops.int8_linear_kind() or (kind == "avx512_vnni" and ops.int8_linear_kind() != kind):
+        pytest.skip(f"no {kind} int8 kernel on this machine")
     _, q, scale, _ = int8_case(1, 200, 50, False)
     x = torch.zeros(4, 200)
     x[1] = torch.logspace(-30, 30, 200)
     x[2, ::7] = -3e4
     x[3] = 1e-38
-    got = ops.PackedLinearInt8(q, scale, None).forward(x)
+    got = ops.PackedLinearInt8(q, scale, None, int16_activations=int16).forward(x)
     assert torch.isfinite(got).all() and not got[0].any() and not got[3].any()
-    torch.testing.assert_close(got, int8_blocks_reference(x, q, scale, None), rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(got, int8_blocks_reference(x, q, scale, None, levels), rtol=1e-5, atol=1e-30)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (101, 1000), (8200, 100)])
-def test_an_int8_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features):
+@pytest.mark.parametrize("int16", [False, True])
+def test_an_int8_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features, out_features, int16):
     x, q, scale, b = int8_case(130, in_features, out_features, True)
-    layer = ops.PackedLinearInt8(q, scale, b)
+    layer = ops.PackedLinearInt8(q, scale, b, int16_activations=int16)
     batch = layer.forward(x)
     for m in (0, 5, 63, 129):
         assert torch.equal(layer.forward(x[m : m + 1]), batch[m : m + 1]), f"row {m}"
@@ -226,9 +213,8 @@ def test_the_torch_level_runs_int8_on_the_pytorch_reference(tiny_model_factory, 
 
 
 def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
-    """Each quantized Linear counts its int8 weights and a scale per 64 of them, as the kernel keeps
-    them: bf16 in the VNNI layout (which pads N to 48 and K to 64), float32 in the AVX2 panels (N
-    padded to 16), widened once at load rather than at every k."""
+    """Each quantized Linear counts its int8 weights and a bf16 scale per 64 of them, as the kernel
+    keeps them (the VNNI layout pads N to 48, the AVX2 one to 16, both K to 64)."""
     folder = tiny_model_factory("llama")
     with Engine(str(folder), EngineConfig(dtype="bfloat16", disk_cache=False)) as engine:
         bf16_bytes = engine.weights_bytes
@@ -237,8 +223,7 @@ def test_int8_weights_count_as_int8_bytes(tiny_model_factory):
         for m in engine.loaded.model.model.layers.modules():
             if isinstance(m, Linear):
                 n, k = m.packed.out_features, m.packed.in_features
-                scale_dtype = torch.bfloat16 if m.packed.kind == "avx512_vnni" else torch.float32
-                assert m.packed_weight.numel() >= n * k and m.weight_scale.dtype == scale_dtype
+                assert m.packed_weight.numel() >= n * k and m.weight_scale.dtype == torch.bfloat16
                 assert m.weight_scale.numel() >= n * -(-k // 64)
     assert int8_bytes < bf16_bytes
 

@@ -18,7 +18,7 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import (Int8Reference, check_quantize_device, int8_product, keeps_float_activations,
+from pagecli.models.quantize import (Int8Reference, check_quantize_device, int8_product, uses_int16_activations,
                                      native_takes)
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
@@ -168,23 +168,23 @@ class CausalLM(nn.Module):
             self.model.embed_tokens.share_packed(self.output_packed)
 
     def _quantize_kernels(self, quantize: str, ops: Any) -> tuple[Any, Any, bool]:
-        """(the int8 kernels, the int4 kernels, whether activations stay float) for this model's dtype:
+        """(the int8 kernels, the int4 kernels, whether activations round to int16) for this model's dtype:
         ops where its kernels take the dtype, else None (the PyTorch reference); refused off the CPU."""
         check_quantize_device(quantize, self.model.norm.weight.device)
         dtype = self.model.norm.weight.dtype
         int8_ops = ops if ops is not None and native_takes(ops.int8_linear_kind(), dtype) else None
         int4_ops = ops if ops is not None and native_takes(ops.int4_linear_kind(), dtype) else None
-        return int8_ops, int4_ops, keeps_float_activations(dtype)
+        return int8_ops, int4_ops, uses_int16_activations(dtype)
 
-    def _quantize_output(self, ops: Any, float_activations: bool) -> None:
+    def _quantize_output(self, ops: Any, int16_activations: bool) -> None:
         """The output layer as int8 (a scale per output channel and 64-block), as llama.cpp's quantized
         files keep theirs (Q8_0, Q6_K): in SmolLM2-135M it is 57 MB of bf16 of the 164 MB an int8 decode
         step read. A tied embedding table stays as it is for the lookup; the product reads the copy."""
         if not self.spec.tie_word_embeddings:
-            self.lm_head.quantize_int8(ops, float_activations)
+            self.lm_head.quantize_int8(ops, int16_activations)
             self.output_packed = self.lm_head.packed
             return
-        self.output_packed, q, scale = int8_product(self.model.embed_tokens.weight, None, ops, float_activations)
+        self.output_packed, q, scale = int8_product(self.model.embed_tokens.weight, None, ops, int16_activations)
         self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
         self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
 

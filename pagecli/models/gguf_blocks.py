@@ -173,15 +173,15 @@ def describe_path(gguf_path: Path) -> str:
 
 
 def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops: Any, int8_ops: Any,
-                      float_activations: bool = False) -> None:
+                      int16_activations: bool = False) -> None:
     """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
     kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts requantized to
     pagecli's int8 blocks (int8_ops likewise), anything else left on the converted folder's floats.
-    float_activations: as Linear.quantize_int8."""
+    int16_activations: as Linear.quantize_int8."""
     for (module_name, product_name), parts in products.items():
         linear = getattr(getattr(layer, module_name), product_name)
         if isinstance(parts, Int4Parts):
-            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, float_activations)
+            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, int16_activations)
         elif isinstance(parts, Q8Parts):
             linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
-            linear.quantize_int8(int8_ops, float_activations)
+            linear.quantize_int8(int8_ops, int16_activations)

@@ -127,33 +127,33 @@ class Linear(nn.Linear):
         self.weight = None
         self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
 
-    def quantize_int8(self, ops: Any, float_activations: bool = False) -> None:
+    def quantize_int8(self, ops: Any, int16_activations: bool = False) -> None:
         """Replace the weight by int8 and a scale per output channel and 64-block (pagecli.models.quantize), run by
         pagecli.native's PackedLinearInt8 when `ops` is given, else by the PyTorch reference.
-        float_activations: the native kernel keeps x float (float32 models) instead of rounding it
-        to int8 where the CPU has VNNI."""
+        int16_activations: the native kernel rounds x to int16 (the AVX2 kernel; float32 models ask
+        for it) instead of to int8 where the CPU has VNNI."""
         if self.packed is not None:
             return
         bias = None if self.bias is None else self.bias.detach()
-        self.packed, q, scale = int8_product(self.weight, bias, ops, float_activations)
+        self.packed, q, scale = int8_product(self.weight, bias, ops, int16_activations)
         self.weight = None
         self.packed_weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def quantize_int4(self, ops: Any, float_activations: bool = False) -> None:
+    def quantize_int4(self, ops: Any, int16_activations: bool = False) -> None:
         """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's
-        PackedLinearInt4 when `ops` is given, else by the PyTorch reference (float_activations as
+        PackedLinearInt4 when `ops` is given, else by the PyTorch reference (int16_activations as
         for quantize_int8)."""
         if self.packed is None:
-            self.use_int4(*quantize_int4(self.weight), ops, float_activations)
+            self.use_int4(*quantize_int4(self.weight), ops, int16_activations)
 
     def use_int4(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, ops: Any,
-                 float_activations: bool = False) -> None:
+                 int16_activations: bool = False) -> None:
         """Run on these 4-bit weights (q [N, K] in [0, 15], fp16 scale and min [N, ceil(K / 32)]) in
         place of `weight`: quantized here, or read as they are from a GGUF file's Q4_0/Q4_1 blocks."""
         bias = None if self.bias is None else self.bias.detach()
         if ops is not None:
-            self.packed = ops.PackedLinearInt4(q, scale, minimum, bias, float_activations=float_activations)
+            self.packed = ops.PackedLinearInt4(q, scale, minimum, bias, int16_activations=int16_activations)
             self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
             if self.packed.scales.numel():  # AVX2 keeps them beside the rows: count their bytes too
                 self.weight_scale = nn.Parameter(self.packed.scales, requires_grad=False)

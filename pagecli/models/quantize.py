@@ -19,9 +19,9 @@ with the VNNI kernel's activation blocks, so each block's exact integer sum take
 On AVX512-VNNI the native kernel also rounds the activations to int8 per row and block of 64
 (int8_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows the per-channel
 kernel ran at 759-780 GFLOP/s against 433-442 for the packed bf16 GEMM (Zen 4, 2 threads,
-scripts/bench_quant_products.py, 2026-11-26). On the AVX2 level (and for float32 models) activations
-stay float; there the int8 kernel is slower than bf16 (48 against 72 tok/s decode, 143 against 602
-batched, SmolLM2-135M on Zen 4, 2026-11-25) and only saves memory.
+scripts/bench_quant_products.py, 2026-11-26). On the AVX2 level (and for float32 models) the
+activations are rounded to int16 per 64-block instead (int8_blocks_reference with levels=32767),
+256 times finer, and multiplied with vpmaddwd (panel_i16.h).
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ class Int8Reference:
 
 
 def int8_product(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any,
-                 float_activations: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
+                 int16_activations: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """weight quantized (quantize_int8) and the product that runs it: pagecli.native's PackedLinearInt8
-    when ops is given (float_activations as there), else Int8Reference; with the int8 weights and scales
+    when ops is given (int16_activations as there), else Int8Reference; with the int8 weights and scales
     the product reads, for the owning module to keep as parameters (so they count as the model's bytes)."""
     q, scale = quantize_int8(weight)
     if ops is None:
         return Int8Reference(q, scale, bias), q, scale
-    product = ops.PackedLinearInt8(q, scale, bias, float_activations=float_activations)
+    product = ops.PackedLinearInt8(q, scale, bias, int16_activations=int16_activations)
     return product, product.weights, product.scales
 
 
@@ -113,29 +113,34 @@ ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in bl
 TINY_BLOCK = float(torch.tensor(1e-30, dtype=torch.float32))  # a block whose largest |x| is below it counts as zero
 
 
-def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the AVX512-VNNI products do to their activations (act_quant.h): x [..., K] -> (xq [M, B, 64]
-    float64 holding integers in [-127, 127], zero past K; d [M, B, 1] float64), M rows, B blocks of 64:
-    d = max |x| / 127 and xq = round(x * (127 / max |x|)) per block, a block whose max |x| is below
-    1e-30 zeros."""
+INT8_LEVELS = 127  # the AVX512-VNNI kernels round activations to int8 (act_quant.h)
+INT16_LEVELS = 32767  # the AVX2 ones to int16 (panel_i16.h)
+
+
+def round_activations(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the native quantized products do to their activations (act_quant.h's int8 with levels
+    127, panel_i16.h's int16 with 32767): x [..., K] -> (xq [M, B, 64] float64 holding integers in
+    [-levels, levels], zero past K; d [M, B, 1] float64), M rows, B blocks of 64: d = max |x| / levels
+    and xq = round(x * (levels / max |x|)) per block, a block whose max |x| is below 1e-30 zeros."""
     K = x.shape[-1]
     blocks = -(-K // ACTIVATION_BLOCK)
     xf = torch.nn.functional.pad(x.float().reshape(-1, K), (0, blocks * ACTIVATION_BLOCK - K))
     xb = xf.view(-1, blocks, ACTIVATION_BLOCK)  # [M, B, 64]
     amax = xb.abs().amax(dim=-1, keepdim=True)  # [M, B, 1]
     amax = torch.where(amax >= TINY_BLOCK, amax, torch.zeros_like(amax))  # a block below it rounds to zeros
-    # 127 / amax correctly rounded, as the kernel divides (`127 / tensor` would multiply by a reciprocal)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    xq = torch.round(xb * inv).clamp_(-127, 127).double()  # [M, B, 64]
-    return xq, (amax / 127).double()
+    # levels / amax correctly rounded, as the kernel divides (`levels / tensor` would multiply by a reciprocal)
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv).clamp_(-levels, levels).double()  # [M, B, 64]
+    return xq, (amax / levels).double()
 
 
 def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """The AVX512-VNNI int8 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
-    differ only by rounding): x rounded as round_activations does, each block's integer products
-    times d and the block's weight scale, summed, plus the bias. x [..., K] -> [..., N] float32."""
-    xq, d = round_activations(x)
+                          bias: torch.Tensor | None, levels: int = INT8_LEVELS) -> torch.Tensor:
+    """The native int8 kernels' arithmetic in PyTorch (float64 sums; the kernels' fp32 ones differ
+    only by rounding): x rounded as round_activations(x, levels) does (127: AVX512-VNNI, 32767:
+    AVX2), each block's integer products times d and the block's weight scale, summed, plus the
+    bias. x [..., K] -> [..., N] float32."""
+    xq, d = round_activations(x, levels)
     blocks = xq.shape[1]
     wq = torch.nn.functional.pad(q.double(), (0, blocks * ACTIVATION_BLOCK - q.shape[1])).view(q.shape[0], blocks, -1)
     sums = torch.einsum("mbk,nbk->mbn", xq, wq)  # exact integers
@@ -148,16 +153,16 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 def native_takes(kind: str, dtype: torch.dtype) -> bool:
     """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind())
     takes activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16
-    (float32 ones on the AVX2 kernel, which VNNI builds carry too: keeps_float_activations)."""
+    (float32 ones on the AVX2 kernel, which VNNI builds carry too: uses_int16_activations)."""
     return kind in ("avx2", "avx512_vnni") and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def keeps_float_activations(dtype: torch.dtype) -> bool:
-    """Whether the native quantized products keep a model's activations float: float32 models do, so
-    their products are float32 math on the dequantized weights (the same numbers as the converted
-    float32 model, up to the order of the sums), at the AVX2 kernels' speed. bf16 and fp16 models
-    round activations to int8 per 64-block on a VNNI CPU, several times faster for prompts (the loss
-    is in docs/benchmarks/cpu-without-amx.md)."""
+def uses_int16_activations(dtype: torch.dtype) -> bool:
+    """Whether the native quantized products round a model's activations to int16 (the AVX2 kernels,
+    which VNNI builds carry too) rather than to int8: float32 models do, so their products stay
+    within 2^-16 of each 64-block's largest activation of float32 math on the dequantized weights
+    (panel_i16.h). bf16 and fp16 models round activations to int8 per 64-block on a VNNI CPU,
+    several times faster for prompts (the loss is in docs/benchmarks/cpu-without-amx.md)."""
     return dtype == torch.float32
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pagecli.models.quantize import in_row_chunks, round_activations
+from pagecli.models.quantize import INT8_LEVELS, in_row_chunks, round_activations
 
 GROUP = 32  # weights per group along K (pagecli/native/quant_int4.h: kInt4Group)
 
@@ -82,12 +82,13 @@ class Int4Reference:
 
 
 def int4_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """The AVX512-VNNI int4 kernel's arithmetic in PyTorch (float64 sums; the kernel's fp32 ones
-    differ only by rounding): x rounded to int8 as quantize.round_activations does; per group of 32,
+                          bias: torch.Tensor | None, levels: int = INT8_LEVELS) -> torch.Tensor:
+    """The native int4 kernels' arithmetic in PyTorch (float64 sums; the kernels' fp32 ones differ
+    only by rounding): x rounded as quantize.round_activations(x, levels) does (127: AVX512-VNNI,
+    32767: AVX2); per group of 32,
     y += d * (scale * sum(xq * q) + min * sum(xq)) with d the row's scale for the group's 64-block;
     plus the bias. x [..., K], q [N, K] in [0, 15], scale and min [N, ceil(K / 32)] -> [..., N] float32."""
-    xq, d = round_activations(x)  # [M, B, 64], [M, B, 1]
+    xq, d = round_activations(x, levels)  # [M, B, 64], [M, B, 1]
     groups = scale.shape[1]
     xg = xq.reshape(xq.shape[0], -1, GROUP)[:, :groups]  # [M, G, 32]
     dg = d.repeat_interleave(2, dim=1)[:, :groups]  # [M, G, 1]

@@ -68,7 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "PackedLinearInt8", pybind11::module_local())
       .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&, bool>(),
            pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none(),
-           pybind11::arg("float_activations") = false)
+           pybind11::arg("int16_activations") = false)
       .def_property_readonly("weights", &pagecli::PackedLinearInt8::weights)
       .def_property_readonly("scales", &pagecli::PackedLinearInt8::scales)
       .def_property_readonly("kind", &pagecli::PackedLinearInt8::kind)
@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const c10::optional<torch::Tensor>&, bool>(),
            pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("min"), pybind11::arg("bias") = pybind11::none(),
-           pybind11::arg("float_activations") = false)
+           pybind11::arg("int16_activations") = false)
       .def_property_readonly("weights", &pagecli::PackedLinearInt4::weights)
       .def_property_readonly("kind", &pagecli::PackedLinearInt4::kind)
       .def_property_readonly("scales", &pagecli::PackedLinearInt4::scales)

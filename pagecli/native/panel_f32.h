@@ -1,12 +1,10 @@
-// The register-tiled product of float32 activations and weights kept in 16-column panels, shared by
-// the AVX2 kernels of every weight format that runs on float activations: bf16 (bf16_weights.cpp),
-// int8 with a scale per 64-block and 4-bit groups with a scale and minimum per 32 (the AVX2 paths of
-// quant_int8.cpp and quant_int4.cpp).
+// The register-tiled product of float32 activations and weights kept in 16-column panels: the AVX2
+// kernel of float32 models' weights, kept in bf16 or float32 (bf16_weights.cpp). Its division of a
+// product into tiles (for_panel_tiles) serves the quantized AVX2 kernels too (panel_i16.h).
 //
 // A format is a `Panels` type whose widen(p, k, lo, hi) gives row k of panel p as two fp32 vectors,
-// columns 16 p + 0-7 and 16 p + 8-15: the weight values themselves (a quantized weight dequantized
-// exactly, q times its scale, or q times its scale plus its minimum in one rounding), so every
-// format's product is float32 math on the weights it holds. A tile of R rows of x by P panels keeps
+// columns 16 p + 0-7 and 16 p + 8-15: the weight values themselves, so the product is float32 math
+// on the weights it holds. A tile of R rows of x by P panels keeps
 // 2 R P accumulators (at most 12 of the 16 ymm registers): per k, P widenings, R broadcasts of x,
 // 2 R P FMAs. Rows in blocks of 6 (FMAs outnumber the widening's operations), fewer rows with two
 // panels at once (decode: one row, four independent FMA chains, enough to stream the weights at the
@@ -35,14 +33,13 @@
 namespace pagecli {
 
 constexpr int64_t kPanelF32Cols = 16;  // columns per panel
-
-#if PAGECLI_PANEL_F32
-namespace panel_f32 {
-
-constexpr int64_t kRowBlock = 6;  // rows of x per tile, where there are that many
+constexpr int64_t kPanelRowBlock = 6;  // rows of x per tile, where there are that many
 
 // Panels per tile for a tile of R rows: at most 12 accumulators, and at least 4 FMA chains.
 constexpr int panels_for(int64_t rows) { return rows >= 4 ? 1 : 2; }
+
+#if PAGECLI_PANEL_F32
+namespace panel_f32 {
 
 struct Tile {
   int64_t panel;       // the tile's first panel
@@ -107,15 +104,18 @@ void tile_rows(int64_t rows, const Panels& w, const Tile& t) {
 }
 
 }  // namespace panel_f32
+#endif
 
-// y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32 but the panels. Work units are (group of panels,
-// group of row blocks), a thread's own units one run of the weights in order (as gemm_bf16.cpp
-// shares its panels).
-template <typename Panels>
-void panel_product(const Panels& w, const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  using namespace panel_f32;
+// The tiles of a panel product of M rows by N columns, shared out over the threads: tile(P, rows,
+// first panel, first row, columns) for every tile of `rows` rows (up to kPanelRowBlock) by P panels of 16
+// columns (two where fewer than 4 rows, so decode runs four FMA chains). Work units are (group of
+// panels, group of row blocks), a thread's own units one run of the weights in order (as
+// gemm_bf16.cpp shares its panels). The last group may hold one panel where P is 2: a one-panel
+// tile covers it.
+template <typename TileFn>
+void for_panel_tiles(int64_t M, int64_t N, const TileFn& tile) {
   if (M <= 0) return;
-  const int64_t rows_per_block = std::min(M, kRowBlock);
+  const int64_t rows_per_block = std::min(M, kPanelRowBlock);
   const int P = panels_for(rows_per_block);
   const int64_t num_panels = ceil_div(N, kPanelF32Cols), groups = ceil_div(num_panels, P);
   const int64_t row_blocks = ceil_div(M, rows_per_block);
@@ -124,24 +124,27 @@ void panel_product(const Panels& w, const float* x, const float* bias, float* y,
     for (int64_t u; (u = cursor.next()) >= 0;) {
       const int64_t group = u / split.count, first_block = u % split.count * split.blocks_per_group;
       const int64_t end_block = std::min(row_blocks, first_block + split.blocks_per_group);
-      const int64_t c0 = group * P * kPanelF32Cols;
-      Tile t;
-      t.panel = group * P;
-      t.bias = bias ? bias + c0 : nullptr;
-      t.K = K;
-      t.N = N;
-      t.cols = std::min(P * kPanelF32Cols, N - c0);
+      const int64_t c0 = group * P * kPanelF32Cols, cols = std::min(P * kPanelF32Cols, N - c0);
       for (int64_t b = first_block; b < end_block; ++b) {
-        const int64_t m0 = b * rows_per_block, rows = std::min(rows_per_block, M - m0);
-        t.x = x + m0 * K;
-        t.y = y + m0 * N + c0;
-        // The last group may hold one panel where P is 2: a one-panel tile covers it.
-        if (P == 2 && t.cols > kPanelF32Cols) {
-          tile_rows<2>(rows, w, t);
-        } else {
-          tile_rows<1>(rows, w, t);
-        }
+        const int64_t m0 = b * rows_per_block;
+        tile(cols > kPanelF32Cols ? P : 1, std::min(rows_per_block, M - m0), group * P, m0, cols);
       }
+    }
+  });
+}
+
+#if PAGECLI_PANEL_F32
+// y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32 but the panels.
+template <typename Panels>
+void panel_product(const Panels& w, const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  using namespace panel_f32;
+  for_panel_tiles(M, N, [&](int P, int64_t rows, int64_t panel, int64_t m0, int64_t cols) {
+    const int64_t c0 = panel * kPanelF32Cols;
+    const Tile t{panel, x + m0 * K, bias ? bias + c0 : nullptr, y + m0 * N + c0, K, N, cols};
+    if (P == 2) {
+      tile_rows<2>(rows, w, t);
+    } else {
+      tile_rows<1>(rows, w, t);
     }
   });
 }

@@ -19,9 +19,9 @@
 // A tile of up to 4 rows keeps per row and column vector a group's int32 sums and the fp32 totals
 // in registers.
 //
-// AVX2 kernel: panel_f32.h's register tile over nibble panels, each weight dequantized as it is
-// widened (q * scale + min in one fp32 rounding), so the product is float32 math on the dequantized
-// weights (activations stay float there).
+// AVX2 kernel (panel_i16.h): the activations rounded to int16 per row and 64-block, the nibbles in
+// k pairs widened to int16 and multiplied with vpmaddwd, each group's sums exact in int32, then the
+// VNNI kernel's per-group formula with d = max |x| / 32767.
 
 #include "quant_int4.h"
 
@@ -35,12 +35,12 @@
 #include <vector>
 
 #include "act_quant.h"
-#include "panel_f32.h"
+#include "panel_i16.h"
 #include "weight_memory.h"
 #include "work_share.h"
 
-// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
-// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt4's float_activations).
+// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (int16
+// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt4's int16_activations).
 #define PAGECLI_INT4_VNNI PAGECLI_HAVE_VNNI
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGECLI_INT4_AVX2 1
@@ -156,50 +156,59 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const f
 #endif
 
 #if PAGECLI_INT4_AVX2
-// The AVX2 layout: q in panel_f32.h's panels at 4 bits, uint8 [ceil(N / 16), K, 8] where byte j of
-// row k holds column 16 p + j in its low nibble and column 16 p + 8 + j in its high one, and per
-// panel and group of 32 k the columns' scales then minimums, fp32 [ceil(N / 16), groups, 2, 16]
-// (zero past N). Row k of a panel is one 8-byte load widened to int32, its nibbles split by a
-// mask and a shift, then q * scale + min in one rounding: the dequantized weights themselves.
-struct Int4Panels {
-  const uint8_t* data;
-  const float* scale_min;
-  int64_t K, groups;
+// The AVX2 layout (panel_i16.h's pairs at 4 bits): uint8 [ceil(N / 16), Kp / 2, 16] where byte
+// 2 c + t of pair j of panel p holds column 16 p + c's q at k = 2 j + t in its low nibble and column
+// 16 p + 8 + c's in its high one (zero past N and K), and per panel and group of 32 k the columns'
+// scales then minimums, fp16 [ceil(N / 16), Kp / 32, 2, 16] as given (zero past N and K), widened
+// once per group. A pair is one
+// 16-byte load widened to int16, its nibbles split by a mask and a shift. Per group:
+// y += d * (scale * isum + min * gsum), isum exact in fp32 (|isum| <= 32 * 15 * 32767 < 2^24).
+constexpr int64_t kNibblePairBytes = kPanelF32Cols;
 
-  void widen(int64_t p, int64_t k, __m256& lo, __m256& hi) const {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + (p * K + k) * 8)));
-    const float* sm = scale_min + (p * groups + k / kInt4Group) * 2 * kPanelF32Cols;
-    const __m256 qlo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
-    const __m256 qhi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    lo = _mm256_fmadd_ps(qlo, _mm256_loadu_ps(sm), _mm256_loadu_ps(sm + kPanelF32Cols));
-    hi = _mm256_fmadd_ps(qhi, _mm256_loadu_ps(sm + 8), _mm256_loadu_ps(sm + kPanelF32Cols + 8));
+struct Int4Pairs {
+  static constexpr int64_t kGroupPairs = kInt4Group / 2;
+  const uint8_t* data;
+  const uint16_t* scale_min;  // fp16 bits
+  int64_t pairs, groups;
+
+  void widen(int64_t p, int64_t j, __m256i& lo, __m256i& hi) const {
+    const __m256i v = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (p * pairs + j) * kNibblePairBytes)));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
+  }
+
+  struct Scales {
+    __m256 scale, min;
+  };
+
+  Scales scales(int64_t p, int64_t g, int half) const {
+    const uint16_t* sm = scale_min + (p * groups + g) * 2 * kPanelF32Cols + 8 * half;
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanelF32Cols)))};
+  }
+
+  static __m256 fold(const Scales& s, __m256 isum, float d, float gsum, __m256 acc) {
+    const __m256 t = _mm256_fmadd_ps(s.min, _mm256_set1_ps(gsum), _mm256_mul_ps(s.scale, isum));
+    return _mm256_fmadd_ps(_mm256_set1_ps(d), t, acc);
   }
 };
 
-// q [N, K] uint8 (0..15) -> the nibble panels above, zero past N.
-at::Tensor pack_nibble_panels(const at::Tensor& q) {
-  const int64_t N = q.size(0), K = q.size(1), num_panels = ceil_div(N, kPanelF32Cols);
-  auto packed = weight_zeros({num_panels, K, 8}, at::kByte);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
-        const uint8_t* row = qp + (p * kPanelF32Cols + c) * K;
-        uint8_t* dst = out + p * K * 8 + c % 8;
-        const int shift = c < 8 ? 0 : 4;
-        for (int64_t k = 0; k < K; ++k) dst[k * 8] |= static_cast<uint8_t>(row[k] << shift);
-      }
-    }
-  });
+at::Tensor pack_nibble_pairs(const at::Tensor& q) {
+  const int64_t N = q.size(0), K = q.size(1), Kp = act16_padded_k(K);
+  auto packed = weight_zeros({ceil_div(N, kPanelF32Cols), Kp / 2, kNibblePairBytes}, at::kByte);
+  pack_pair_panels(q.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), N, K, Kp, kNibblePairBytes,
+                   [](uint8_t* pair, int64_t c, int64_t t, uint8_t v) {
+                     pair[2 * (c % 8) + t] |= static_cast<uint8_t>(v << (c < 8 ? 0 : 4));
+                   });
   return packed;
 }
 
-// scale and min [N, groups] fp16 -> fp32 [ceil(N / 16), groups, 2, 16], zero past N.
-at::Tensor panel_scale_min(const at::Tensor& scale, const at::Tensor& min) {
-  const int64_t N = scale.size(0), groups = scale.size(1), num_panels = ceil_div(N, kPanelF32Cols);
-  auto padded = at::zeros({num_panels * kPanelF32Cols, groups, 2}, scale.options().dtype(at::kFloat));
-  padded.narrow(0, 0, N).copy_(at::stack({scale, min}, 2));
+// scale and min [N, G] fp16 -> fp16 [ceil(N / 16), groups, 2, 16] (groups >= G), zero past N and G.
+at::Tensor panel_scale_min(const at::Tensor& scale, const at::Tensor& min, int64_t groups) {
+  const int64_t N = scale.size(0), num_panels = ceil_div(N, kPanelF32Cols);
+  auto padded = at::zeros({num_panels * kPanelF32Cols, groups, 2}, scale.options().dtype(at::kHalf));
+  padded.narrow(0, 0, N).narrow(1, 0, scale.size(1)).copy_(at::stack({scale, min}, 2));
   // [panels, 16, groups, 2] -> [panels, groups, 2, 16]
   return padded.view({num_panels, kPanelF32Cols, groups, 2}).permute({0, 2, 3, 1}).contiguous();
 }
@@ -208,9 +217,9 @@ at::Tensor panel_scale_min(const at::Tensor& scale, const at::Tensor& min) {
 }  // namespace
 
 PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
-                                   const c10::optional<at::Tensor>& bias, bool float_activations)
+                                   const c10::optional<at::Tensor>& bias, bool int16_activations)
     : N_(q.dim() == 2 ? q.size(0) : 0), K_(q.dim() == 2 ? q.size(1) : 0),
-      vnni_(PAGECLI_INT4_VNNI && !float_activations) {
+      vnni_(PAGECLI_INT4_VNNI && !int16_activations) {
   TORCH_CHECK(vnni_ || PAGECLI_INT4_AVX2, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
@@ -232,8 +241,8 @@ PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale,
   }
 #endif
 #if PAGECLI_INT4_AVX2
-  weights_ = pack_nibble_panels(q);
-  scale_min_ = panel_scale_min(scale, min);
+  weights_ = pack_nibble_pairs(q);
+  scale_min_ = panel_scale_min(scale, min, act16_padded_k(K_) / kInt4Group);
 #endif
 }
 
@@ -247,9 +256,10 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
 #endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) {
-    y = panel_product_of(Int4Panels{weights_.data_ptr<uint8_t>(), scale_min_.data_ptr<float>(), K_,
-                                    scale_min_.size(1)},
-                         x2, bp, N_, K_);
+    y = panel_product16(Int4Pairs{weights_.data_ptr<uint8_t>(),
+                                  reinterpret_cast<const uint16_t*>(scale_min_.data_ptr<at::Half>()), weights_.size(1),
+                                  scale_min_.size(1)},
+                        x2, bp, N_);
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -24,15 +24,16 @@ constexpr int64_t kInt4Group = 32;  // weights per group along K: one scale and 
 //    activations rounded to int8 per 64-block (act_quant.h): per group
 //    y += d * (scale * sum(xq * q) + min * sum(xq)), each group's integer sums exact (layout in
 //    quant_int4.cpp; pagecli.models.quantize_int4.int4_blocks_reference is this in PyTorch);
-//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): 16-column panels of nibbles,
-//    each weight widened to fp32 as q * scale + min and multiplied with FMA, k in order per output
-//    (panel_f32.h, layout in quant_int4.cpp).
+//  - AVX2 (any build with AVX2, for int16_activations on VNNI ones): 16-column panels of nibbles in
+//    k pairs, widened to int16 and multiplied with vpmaddwd by the activations rounded to int16
+//    per 64-block (panel_i16.h), the same per-group formula with int16 xq (int4_blocks_reference
+//    with levels=32767; layout in quant_int4.cpp).
 class PackedLinearInt4 : public PackedProduct {
  public:
-  // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
-  // models ask for it, so their products are float math on the dequantized weights.
+  // int16_activations: the AVX2 kernel (activations rounded to int16) even where the build has
+  // VNNI; float32 models ask for it, so their products stay within 2^-16 of float math.
   PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
-                   const c10::optional<at::Tensor>& bias, bool float_activations = false);
+                   const c10::optional<at::Tensor>& bias, bool int16_activations = false);
 
   // x [..., K] (float32, bf16 or fp16) -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
@@ -45,8 +46,8 @@ class PackedLinearInt4 : public PackedProduct {
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
-  at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or nibble panels [ceil(N / 16), K, 8] (AVX2)
-  at::Tensor scale_min_;   // AVX2 only: fp32 [ceil(N / 16), groups, 2, 16]; undefined on AVX512-VNNI
+  at::Tensor weights_;     // uint8: panel blocks (AVX512-VNNI), or nibble pair panels [ceil(N / 16), Kp / 2, 16] (AVX2)
+  at::Tensor scale_min_;   // AVX2 only: fp16 [ceil(N / 16), Kp / 32, 2, 16]; undefined on AVX512-VNNI
   at::Tensor bias_;        // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
   bool vnni_;  // the VNNI kernel and its panel blocks, else the AVX2 one over the packed rows

@@ -25,10 +25,10 @@
 // vectors of the quad and the broadcast (28 of the 32 zmm registers). Each quad costs 3 loads and 4
 // broadcasts for 12 vpdpbusd; each block 3 scale loads and 12 multiplies more.
 //
-// AVX2 kernel: panel_f32.h's register tile over q in 16-column panels, each weight dequantized as it
-// is widened (q times its block's scale, exact in fp32), so the product is float32 math on the
-// dequantized weights (activations stay float). VNNI builds have it too, for float32 models
-// (float_activations).
+// AVX2 kernel (panel_i16.h): the activations rounded to int16 per row and 64-block, q in 16-column
+// panels in k pairs widened to int16, a block's products summed in int32 by vpmaddwd (two k per
+// lane), then the same block formula as the VNNI kernel's with d = max |x| / 32767. VNNI builds
+// have it too, for float32 models (int16_activations).
 
 #include "quant_int8.h"
 
@@ -40,12 +40,12 @@
 #include <vector>
 
 #include "act_quant.h"
-#include "panel_f32.h"
+#include "panel_i16.h"
 #include "weight_memory.h"
 #include "work_share.h"
 
-// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (float
-// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt8's float_activations).
+// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (int16
+// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt8's int16_activations).
 #define PAGECLI_INT8_VNNI PAGECLI_HAVE_VNNI
 #if defined(__AVX2__) && defined(__FMA__)
 #define PAGECLI_INT8_AVX2 1
@@ -57,11 +57,11 @@
 namespace pagecli {
 namespace {
 
-// scale [N, B] -> [ceil(N / cols), B, cols] in `dtype`, zero past N: each panel's scales, a block at a
-// time (the VNNI panels' 48 columns in bf16, the AVX2 panels' 16 in fp32).
-at::Tensor scales_by_panel(const at::Tensor& scale, int64_t cols, at::ScalarType dtype) {
+// scale [N, B] bf16 -> [ceil(N / cols), B, cols], zero past N: each panel's scales, a block at a time
+// (the VNNI panels' 48 columns, the AVX2 panels' 16).
+at::Tensor scales_by_panel(const at::Tensor& scale, int64_t cols) {
   const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, cols);
-  auto padded = at::zeros({num_panels * cols, B}, scale.options().dtype(dtype));
+  auto padded = at::zeros({num_panels * cols, B}, scale.options());
   padded.narrow(0, 0, N).copy_(scale);
   return padded.view({num_panels, cols, B}).transpose(1, 2).contiguous();
 }
@@ -163,32 +163,52 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const u
 #endif
 
 #if PAGECLI_INT8_AVX2
-// The AVX2 layout: q in panel_f32.h's panels, int8 [ceil(N / 16), K, 16] in column order, and the
-// scales widened to fp32 [ceil(N / 16), B, 16] (zero past N): row k of panel p is two 8-byte loads
-// widened to int32 and to float, times the columns' scales of block k / 64 (exact: 8-bit values
-// times bf16 scales need 16 bits), the dequantized weights themselves.
-struct Int8Panels {
-  const int8_t* data;
-  const float* scales;
-  int64_t K, B;
+// The AVX2 layout (panel_i16.h's pairs): int8 [ceil(N / 16), Kp / 2, 32] where pair j of panel p holds
+// columns 16 p + 0-7 in its first 16 bytes and 16 p + 8-15 in the next, byte 2 c + t of each half
+// column c's q at k = 2 j + t (zero past N and K), and the bf16 scales [ceil(N / 16), Kp / 64, 16]
+// (zero past N). A 64-block's int32 sums (|sum| < 2^28) take d times the columns' scales.
+constexpr int64_t kPairBytes = 2 * kPanelF32Cols;
 
-  void widen(int64_t p, int64_t k, __m256& lo, __m256& hi) const {
-    const int8_t* q = data + (p * K + k) * kPanelF32Cols;
-    const float* s = scales + (p * B + k / kActBlock) * kPanelF32Cols;
-    const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-    const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
-    lo = _mm256_mul_ps(qlo, _mm256_loadu_ps(s));
-    hi = _mm256_mul_ps(qhi, _mm256_loadu_ps(s + 8));
+struct Int8Pairs {
+  static constexpr int64_t kGroupPairs = kAct16Block / 2;  // one scale per 64-block
+  const int8_t* data;
+  const uint16_t* scale;  // bf16 bits
+  int64_t pairs, blocks;
+
+  void widen(int64_t p, int64_t j, __m256i& lo, __m256i& hi) const {
+    const int8_t* w = data + (p * pairs + j) * kPairBytes;
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kPanelF32Cols)));
+  }
+
+  struct Scales {
+    __m256 ws;
+  };
+
+  Scales scales(int64_t p, int64_t block, int half) const {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + (p * blocks + block) * kPanelF32Cols + 8 * half));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16))};  // bf16 -> fp32
+  }
+
+  static __m256 fold(const Scales& s, __m256 isum, float d, float, __m256 acc) {
+    return _mm256_fmadd_ps(isum, _mm256_mul_ps(_mm256_set1_ps(d), s.ws), acc);
   }
 };
 
+at::Tensor pack_int8_pairs(const at::Tensor& q) {
+  const int64_t N = q.size(0), K = q.size(1), Kp = act16_padded_k(K);
+  auto packed = weight_zeros({ceil_div(N, kPanelF32Cols), Kp / 2, kPairBytes}, at::kChar);
+  pack_pair_panels(q.data_ptr<int8_t>(), packed.data_ptr<int8_t>(), N, K, Kp, kPairBytes,
+                   [](int8_t* pair, int64_t c, int64_t t, int8_t v) { pair[c / 8 * 16 + 2 * (c % 8) + t] = v; });
+  return packed;
+}
 #endif
 
 }  // namespace
 
 PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
-                                   bool float_activations)
-    : N_(q.size(0)), K_(q.dim() == 2 ? q.size(1) : 0), vnni_(PAGECLI_INT8_VNNI && !float_activations) {
+                                   bool int16_activations)
+    : N_(q.size(0)), K_(q.dim() == 2 ? q.size(1) : 0), vnni_(PAGECLI_INT8_VNNI && !int16_activations) {
   TORCH_CHECK(vnni_ || PAGECLI_INT8_AVX2, "the int8 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
@@ -204,14 +224,13 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
 #if PAGECLI_INT8_VNNI
   if (vnni_) {
     weights_ = pack_int8(q);
-    scale_ = scales_by_panel(scale, kPanelCols, at::kBFloat16);
+    scale_ = scales_by_panel(scale, kPanelCols);
     return;
   }
 #endif
 #if PAGECLI_INT8_AVX2
-  weights_ = weight_zeros({ceil_div(N_, kPanelF32Cols), K_, kPanelF32Cols}, at::kChar);
-  pack_f32_panels(q.data_ptr<int8_t>(), weights_.data_ptr<int8_t>(), N_, K_, [](int64_t c) { return c; });
-  scale_ = scales_by_panel(scale, kPanelF32Cols, at::kFloat);
+  weights_ = pack_int8_pairs(q);
+  scale_ = scales_by_panel(scale, kPanelF32Cols);
 #endif
 }
 
@@ -227,8 +246,10 @@ at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
 #endif
 #if PAGECLI_INT8_AVX2
   if (!vnni_) {
-    y = panel_product_of(Int8Panels{weights_.data_ptr<int8_t>(), scale_.data_ptr<float>(), K_, scale_.size(1)}, x2,
-                         bp, N_, K_);
+    y = panel_product16(Int8Pairs{weights_.data_ptr<int8_t>(),
+                                  reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>()),
+                                  weights_.size(1), scale_.size(1)},
+                        x2, bp, N_);
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

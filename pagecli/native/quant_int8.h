@@ -20,15 +20,16 @@ namespace pagecli {
 //    block's sum by its two scales, adds the blocks in order in fp32, plus the bias (layout in
 //    quant_int8.cpp; pagecli.models.quantize.int8_blocks_reference is this arithmetic in PyTorch).
 //    x may be float32, bf16 or fp16; the same bits for a row alone or in any batch;
-//  - AVX2 (any build with AVX2, for float_activations on VNNI ones): q in 16-column panels, each
-//    weight widened to fp32 times its block's scale (exact) and multiplied with FMA, k in order per
-//    output (panel_f32.h; float activations); a row's sum order does not depend on its batch either.
+//  - AVX2 (any build with AVX2, for int16_activations on VNNI ones): x rounded to int16 per row and
+//    64-block, q in 16-column panels in k pairs widened to int16, each block's sums in int32 with
+//    vpmaddwd, then the same block formula (panel_i16.h; int8_blocks_reference with levels=32767);
+//    a row gets the same bits alone or in any batch there too.
 class PackedLinearInt8 : public PackedProduct {
  public:
-  // float_activations: the AVX2 kernel (x stays float) even where the build has VNNI; float32
-  // models ask for it, so their products are float math on the dequantized weights.
+  // int16_activations: the AVX2 kernel (activations rounded to int16) even where the build has
+  // VNNI; float32 models ask for it, so their products stay within 2^-16 of float math.
   PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
-                   bool float_activations = false);
+                   bool int16_activations = false);
 
   // x [..., K] -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
@@ -40,8 +41,8 @@ class PackedLinearInt8 : public PackedProduct {
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
-  at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [ceil(N / 16), K, 16] panels (AVX2)
-  at::Tensor scale_;    // bf16 [ceil(N / 48), Kp / 64, 48] (AVX512-VNNI) or fp32 [ceil(N / 16), B, 16] (AVX2), zero past N
+  at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [ceil(N / 16), Kp / 2, 32] pair panels (AVX2)
+  at::Tensor scale_;    // bf16 [ceil(N / 48), Kp / 64, 48] (AVX512-VNNI) or [ceil(N / 16), Kp / 64, 16] (AVX2), zero past N
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
   bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one (panel_f32.h)

@@ -1,0 +1,224 @@
+// The AVX2 quantized products (int8 weights in quant_int8.cpp, 4-bit ones in quant_int4.cpp): the
+// activations rounded to int16 per row and block of 64 along k, multiplied by the weights widened to
+// int16 with vpmaddwd (16 products an instruction, summed in pairs into int32 lanes), each group's
+// exact integer sums scaled in fp32 once per group. AVX2 has no int8 dot product that keeps a
+// signed weight and a signed activation apart (vpmaddubsw takes one unsigned operand and saturates
+// at int16), and the float kernel this replaced spent four instructions a weight on widening it
+// to fp32 (load, extend, convert, scale) before its FMA: decode was bound by those, not by memory.
+//
+// Activations: per row and 64-block, d = max |x| / 32767 and xq = round(x * (32767 / max |x|)) (ties
+// to even), a block whose max |x| is below 1e-30 all zeros; each value moves at most max |x| / 65534,
+// 2^-16 of its block's largest, 256 times finer than the int8 rounding of the VNNI kernels (and of
+// llama.cpp's Q8 activations): float32 models keep their numbers to about float32's products' own
+// rounding. The sums of xq per 32-group come along (4-bit weights' minimum). pagecli.models.quantize
+// .round_activations(x, 32767) is this in PyTorch.
+//
+// Weights: 16-column panels (panel_f32.h's), k in pairs: a panel's pair j is 16 int16 values per
+// 8 columns once widened, lane 2c + t holding column c's weight at k = 2 j + t, so vpmaddwd against
+// the broadcast pair (xq[2 j], xq[2 j + 1]) leaves column c's two products summed in int32 lane c.
+// A format is a `Pairs` type with kGroupPairs (k pairs per scale group), widen(p, j, lo, hi) (pair j of
+// panel p: columns 0-7 and 8-15 as int16), scales(p, g, half) (group g's scales of 8 columns, read
+// once for all the tile's rows) and fold(scales, isum, d, gsum, acc) (a row's int32 sums of the group
+// -> its fp32 accumulator; d its scale of the group's 64-block, gsum its sum of xq over the 32-group). Register tile: R rows by P panels, 2 R P int32 sums
+// (at most 12 ymm), the fp32 totals in memory between groups (12 more would not fit). Each output
+// adds its groups in order whatever the tile, so a row gets the same bits alone or in any batch.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "panel_f32.h"
+
+namespace pagecli {
+
+constexpr int64_t kAct16Block = 64;  // activations' rounding block along k (= the int8 weights' block)
+constexpr int64_t kAct16Group = 32;  // the sums of xq: one per 32-group (the 4-bit weights' group)
+
+inline int64_t act16_padded_k(int64_t K) { return (K + kAct16Block - 1) / kAct16Block * kAct16Block; }
+
+#if PAGECLI_PANEL_F32
+// xq [M, Kp] int16 (zero past K), d [M, Kp / 64] fp32, gsum [M, Kp / 32] fp32 (sum of xq per
+// 32-group, exact: at most 32 * 32767).
+struct Rows16 {
+  at::Tensor xq, d, gsum;
+  int64_t Kp;
+};
+
+inline void round_block16(const float* x, int64_t n, int16_t* q, float* d, float* gsum) {
+  constexpr float kTinyBlock = 1e-30f;
+  alignas(32) float v[kAct16Block] = {};
+  std::memcpy(v, x, std::max<int64_t>(n, 0) * sizeof(float));
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < kAct16Block; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_load_ps(v + i), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = 0.0f;
+  for (float l : lanes) m = std::max(m, l);
+  if (!(m >= kTinyBlock)) m = 0.0f;
+  const __m256 inv = _mm256_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
+  const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+  alignas(32) int32_t r[kAct16Block];
+  for (int i = 0; i < kAct16Block; i += 8) {
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i), inv));  // nearest, ties to even
+    _mm256_store_si256(reinterpret_cast<__m256i*>(r + i), _mm256_max_epi32(_mm256_min_epi32(c, hi), lo));
+  }
+  int32_t sums[2] = {0, 0};
+  for (int i = 0; i < kAct16Block; ++i) {
+    q[i] = static_cast<int16_t>(r[i]);
+    sums[i / kAct16Group] += r[i];
+  }
+  *d = m / 32767.0f;
+  gsum[0] = static_cast<float>(sums[0]);
+  gsum[1] = static_cast<float>(sums[1]);
+}
+
+// x [M, K] float32 contiguous -> its rows rounded as above.
+inline Rows16 round_rows16(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), Kp = act16_padded_k(K), blocks = Kp / kAct16Block;
+  Rows16 out{at::empty({M, Kp}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options()),
+             at::empty({M, 2 * blocks}, x.options()), Kp};
+  const float* xp = x.data_ptr<float>();
+  int16_t* qp = out.xq.data_ptr<int16_t>();
+  float* dp = out.d.data_ptr<float>();
+  float* sp = out.gsum.data_ptr<float>();
+  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / blocks, b = i % blocks;
+      round_block16(xp + m * K + b * kAct16Block, std::min(kAct16Block, K - b * kAct16Block), qp + m * Kp + b * kAct16Block,
+                    dp + i, sp + 2 * i);
+    }
+  });
+  return out;
+}
+
+namespace panel_i16 {
+
+struct Tile {
+  int64_t panel;        // the tile's first panel
+  const int16_t* xq;    // the tile's first row's xq, rows Kp apart
+  const float* d;       // its scales per 64-block, rows Kp / 64 apart
+  const float* gsum;    // its sums per 32-group, rows Kp / 32 apart
+  const float* bias;    // the first panel's first column's bias, or nullptr
+  float* y;             // y's row of the first row, at the first panel's first column; rows N apart
+  int64_t Kp, N, cols;  // cols: columns of y the tile covers
+};
+
+template <int R, int P, typename Pairs>
+void tile_kernel(const Pairs& w, const Tile& t) {
+  constexpr int64_t kGroupPairs = Pairs::kGroupPairs, kGroupK = 2 * kGroupPairs;
+  alignas(32) float acc[R][2 * P][8] = {};
+  const int64_t groups = t.Kp / kGroupK;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sum[R][2 * P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < 2 * P; ++v) sum[r][v] = _mm256_setzero_si256();
+    }
+    const int16_t* xg = t.xq + g * kGroupK;
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < kGroupPairs; ++j) {
+#pragma GCC unroll 4
+      for (int q = 0; q < P; ++q) {
+        __m256i lo, hi;
+        w.widen(t.panel + q, g * kGroupPairs + j, lo, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xg + r * t.Kp + 2 * j, sizeof(pair));
+          const __m256i xv = _mm256_set1_epi32(pair);
+          sum[r][2 * q] = _mm256_add_epi32(sum[r][2 * q], _mm256_madd_epi16(lo, xv));
+          sum[r][2 * q + 1] = _mm256_add_epi32(sum[r][2 * q + 1], _mm256_madd_epi16(hi, xv));
+        }
+      }
+    }
+    const int64_t block = g * kGroupK / kAct16Block, group32 = g * kGroupK / kAct16Group;
+#pragma GCC unroll 4
+    for (int v = 0; v < 2 * P; ++v) {
+      const typename Pairs::Scales scales = w.scales(t.panel + v / 2, g, v % 2);  // once for the tile's rows
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float d = t.d[r * (t.Kp / kAct16Block) + block], gsum = t.gsum[r * (t.Kp / kAct16Group) + group32];
+        _mm256_store_ps(acc[r][v], Pairs::fold(scales, _mm256_cvtepi32_ps(sum[r][v]), d, gsum, _mm256_load_ps(acc[r][v])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* s = &acc[r][0][0];
+    float* yr = t.y + r * t.N;
+    for (int64_t c = 0; c < t.cols; ++c) yr[c] = t.bias ? s[c] + t.bias[c] : s[c];
+  }
+}
+
+template <int P, typename Pairs>
+void tile_rows(int64_t rows, const Pairs& w, const Tile& t) {
+  switch (rows) {
+    case 1: return tile_kernel<1, P>(w, t);
+    case 2: return tile_kernel<2, P>(w, t);
+    case 3: return tile_kernel<3, P>(w, t);
+    default: break;
+  }
+  if constexpr (P == 1) {
+    switch (rows) {
+      case 4: return tile_kernel<4, 1>(w, t);
+      case 5: return tile_kernel<5, 1>(w, t);
+      case 6: return tile_kernel<6, 1>(w, t);
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "int16 panel product: no tile of ", rows, " rows by ", P, " panels");
+}
+
+}  // namespace panel_i16
+
+// x [M, K] of any float dtype times the panels of `w` (+ bias [N] fp32) -> y [M, N] in x's dtype.
+template <typename Pairs>
+at::Tensor panel_product16(const Pairs& w, const at::Tensor& x, const float* bias, int64_t N) {
+  using namespace panel_i16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto y = at::empty({M, N}, xf.options());
+  if (M == 0) return y.to(x.scalar_type());
+  const Rows16 rows = round_rows16(xf);
+  const int64_t Kp = rows.Kp;
+  const int16_t* qp = rows.xq.data_ptr<int16_t>();
+  const float* dp = rows.d.data_ptr<float>();
+  const float* sp = rows.gsum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
+    const int64_t c0 = panel * kPanelF32Cols;
+    const Tile t{panel, qp + m0 * Kp, dp + m0 * (Kp / kAct16Block), sp + m0 * (Kp / kAct16Group),
+                 bias ? bias + c0 : nullptr, yp + m0 * N + c0, Kp, N, cols};
+    if (P == 2) {
+      tile_rows<2>(n_rows, w, t);
+    } else {
+      tile_rows<1>(n_rows, w, t);
+    }
+  });
+  return y.to(x.scalar_type());
+}
+#endif
+
+// src [N, K] row-major (T = int8_t or uint8_t) -> dst [ceil(N / 16), Kp / 2, pair_bytes], dst zeroed
+// (past N and K stay zero): put(pair, c, t, value) stores column 16 p + c's value at k = 2 j + t into
+// pair j of panel p.
+template <typename T, typename Put>
+void pack_pair_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t Kp, int64_t pair_bytes, const Put& put) {
+  const int64_t num_panels = ceil_div(N, kPanelF32Cols);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
+        const T* row = src + (p * kPanelF32Cols + c) * K;
+        for (int64_t k = 0; k < K; ++k) put(dst + (p * (Kp / 2) + k / 2) * pair_bytes, c, k % 2, row[k]);
+      }
+    }
+  });
+}
+
+}  // namespace pagecli
