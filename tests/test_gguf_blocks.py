@@ -18,7 +18,7 @@ from pagecli.errors import PagecliError
 from pagecli.models import gguf_blocks
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
-from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS
+from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS, round_activations
 from pagecli.models.source import default_model_gguf
 from pagecli.native import isa
 from test_quant_int8 import assert_within_activation_rounding
@@ -83,6 +83,36 @@ def test_q4_blocks_run_on_the_int4_kernel_as_float32_math_on_their_floats(level,
     assert_within_activation_rounding(layer.forward(x), x, dequantize_parts(parts), None, levels, kind)
 
 
+def q8_0_reference(x: torch.Tensor, parts: Q8Parts) -> torch.Tensor:
+    """The AVX2 int8 kernel's arithmetic on Q8_0 blocks in PyTorch (float64): x rounded to int16 per
+    64-block (round_activations), each 32-block's integer sum times d and the block's fp16 scale."""
+    xq, d = round_activations(x, INT16_LEVELS)  # [M, B, 64], [M, B, 1]
+    n, k = parts.q.shape
+    groups = parts.scale.shape[1]
+    xg = xq.reshape(len(xq), -1, 32)[:, :groups]  # [M, G, 32]
+    dg = d.repeat_interleave(2, dim=1)[:, :groups]  # [M, G, 1]
+    wq = torch.nn.functional.pad(parts.q.double(), (0, groups * 32 - k)).view(n, groups, 32)
+    return (torch.einsum("mgk,ngk->mgn", xg, wq) * dg * parts.scale.double().T[None]).sum(1).float()
+
+
+@pytest.mark.parametrize("level", COMPILED_LEVELS)
+@pytest.mark.parametrize(("rows", "cols"), [(100, 160), (37, 96), (5, 32)])
+def test_q8_0_blocks_run_as_they_are_on_the_avx2_int8_kernel(level, rows, cols):
+    """fp16 scales per 32 (the file's own Q8_0 numbers): the kernel's arithmetic to fp32 rounding, float
+    math on the dequantized blocks within the int16 rounding, a row's bits the same alone."""
+    ops = native.cpu_ops_for(level)
+    parts = tensor_parts(fake_tensor("Q8_0", rows, cols, seed=5))
+    layer = ops.PackedLinearInt8(parts.q, parts.scale, None, int16_activations=True)
+    assert layer.kind == "avx2" and layer.scales.dtype == torch.float16
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(6))
+    got = layer.forward(x)
+    torch.testing.assert_close(got, q8_0_reference(x, parts), rtol=1e-5, atol=1e-5 * cols ** 0.5)
+    assert_within_activation_rounding(got, x, dequantize_parts(parts), None, INT16_LEVELS, "Q8_0")
+    assert torch.equal(layer.forward(x[4:5]), got[4:5])
+    with pytest.raises(RuntimeError, match="fp16 \\[N, ceil\\(K / 32\\)\\]"):
+        ops.PackedLinearInt8(parts.q, parts.scale[:, :-1], None, int16_activations=True)
+
+
 def test_the_embedded_file_says_which_path_its_weights_take():
     line = gguf_blocks.describe_path(default_model_gguf())
     assert line == "--quantize gguf runs Q4_1 x210 as they are"
@@ -100,7 +130,8 @@ def test_the_embedded_model_runs_on_its_own_q4_1_weights(smollm2_dir):
     per 64-block (the AVX2 kernel at every level) or keeps them float (the PyTorch reference): the
     tokens equal the float32 path's on all 9 (measured 2026-11-25 on the reference, 2026-11-26 on the
     float-activation AVX2 kernel this replaced at the avx512 level, Zen 4, 2026-11-27 on the int16
-    one at the avx2 level, Zen 3; bf16 there: 4 of 9, [24, 0, 5, 24, 6, 17, 6, 24, 24]).
+    one at the avx2 level, Zen 3, with the output layer on the file's Q8_0 blocks too; bf16 there:
+    4 of 9, [24, 0, 0, 24, 6, 17, 6, 24, 24]).
     A bf16 model on the AVX512-VNNI kernel rounds activations to int8 per 64-block: measured
     2026-11-26 (Zen 4) 2 of 9 identical ([0, 2, 0, 24, 5, 4, 0, 1, 24]), where the bf16 float path
     itself gives 4 of 9 ([0, 0, 0, 24, 24, 17, 6, 24, 24]). The bounds keep a broken kernel (which
@@ -113,6 +144,9 @@ def test_the_embedded_model_runs_on_its_own_q4_1_weights(smollm2_dir):
                 products = [m.packed for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear)]
                 assert len(products) == 30 * 4 and all(p is not None for p in products)
                 assert {type(p).__name__ for p in products} <= {"PackedLinearInt4", "Int4Reference"}  # all Q4_1
+                output = engine.loaded.model.output_packed
+                if dtype == "float32" and native.enabled():  # the tied Q8_0 table's own blocks
+                    assert type(output).__name__ == "PackedLinearInt8" and output.scales.dtype == torch.float16
             prompts = [engine.encode_chat(r["messages"]) if "messages" in r else engine.encode(r["prompt"])
                        for r in REQUESTS]
             sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

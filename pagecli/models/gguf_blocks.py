@@ -5,9 +5,11 @@ The block formats map onto pagecli's layouts: Q4_1 (32 weights: fp16 scale d, fp
 16 bytes of nibbles; w = q * d + m) is quantize_int4's layout itself; Q4_0 (fp16 d, nibbles,
 w = (q - 8) * d) is the case m = -8 d (exact in fp16 and in the fp32 sum). Both then run on
 pagecli.native's 4-bit kernel, the same bytes llama.cpp reads. Q8_0 (fp16 d, 32 int8; w = q * d)
-has no group-wise int8 kernel here: its exact values are requantized to pagecli's int8 with one
-scale per output channel (lossy: a second rounding). Other types keep the float weights of the
-converted folder.
+runs as it is on the AVX2 int8 kernel (activations rounded to int16: float32 models, every CPU);
+elsewhere its exact values are requantized to pagecli's int8 blocks of 64 (lossy: a second
+rounding). The output layer (or the tied embedding table) runs on its Q8_0 blocks the same way,
+where the file holds it so and the AVX2 kernel runs; otherwise it keeps the converted floats. Other
+types keep the float weights of the converted folder.
 """
 
 from __future__ import annotations
@@ -145,6 +147,12 @@ class GgufBlocks:
             products[(module, product)] = concat_parts(parts)
         return products
 
+    def output(self) -> Int4Parts | Q8Parts | None:
+        """The output layer's blocks: output.weight, or the tied token_embd.weight where the file has no
+        output tensor (None for other types)."""
+        tensor = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
+        return tensor_parts(tensor) if tensor is not None else None
+
 
 def tensor_types(gguf_path: Path) -> dict[str, int]:
     """How many of the file's decoder-layer matrices each GGUF type holds (for `pagecli models`)."""
@@ -165,7 +173,8 @@ def describe_path(gguf_path: Path) -> str:
     parts = []
     if as_is:
         kinds = ", ".join(f"{t} x{n}" for t, n in sorted(as_is.items()))
-        requantized = " (Q8_0 requantized to pagecli's int8 blocks of 64)" if "Q8_0" in as_is else ""
+        requantized = (" (Q8_0 as it is on the AVX2 int8 kernel: float32 models, CPUs without VNNI; else "
+                       "requantized to pagecli's int8 blocks of 64)" if "Q8_0" in as_is else "")
         parts.append(f"--quantize gguf runs {kinds} as they are{requantized}")
     if floats:
         parts.append("dequantized to float: " + ", ".join(f"{t} x{n}" for t, n in sorted(floats.items())))
@@ -175,13 +184,29 @@ def describe_path(gguf_path: Path) -> str:
 def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops: Any, int8_ops: Any,
                       int16_activations: bool = False) -> None:
     """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
-    kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts requantized to
-    pagecli's int8 blocks (int8_ops likewise), anything else left on the converted folder's floats.
+    kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts as they are on the
+    int8 kernel where it rounds activations to int16 (use_q8_0), else requantized to pagecli's int8
+    blocks (int8_ops likewise), anything else left on the converted folder's floats.
     int16_activations: as Linear.quantize_int8."""
     for (module_name, product_name), parts in products.items():
         linear = getattr(getattr(layer, module_name), product_name)
         if isinstance(parts, Int4Parts):
             linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, int16_activations)
         elif isinstance(parts, Q8Parts):
-            linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
-            linear.quantize_int8(int8_ops, int16_activations)
+            use_q8_parts(linear, parts, int8_ops, int16_activations)
+
+
+def runs_q8_0(int8_ops: Any, int16_activations: bool) -> bool:
+    """Whether Q8_0 blocks run as they are: on the AVX2 int8 kernel, which float32 models get on every
+    CPU (int16_activations) and every model on a CPU without VNNI; not the VNNI kernel or PyTorch."""
+    return int8_ops is not None and (int16_activations or int8_ops.int8_linear_kind() == "avx2")
+
+
+def use_q8_parts(linear: Any, parts: Q8Parts, int8_ops: Any, int16_activations: bool) -> None:
+    """A Linear on a Q8_0 weight: its blocks as they are where the AVX2 int8 kernel runs it, else
+    requantized to pagecli's int8 blocks of 64."""
+    if runs_q8_0(int8_ops, int16_activations):
+        linear.use_q8_0(parts.q, parts.scale, int8_ops)
+        return
+    linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
+    linear.quantize_int8(int8_ops, int16_activations)

@@ -164,6 +164,16 @@ class Linear(nn.Linear):
             self.weight_min = nn.Parameter(minimum, requires_grad=False)
         self.weight = None
 
+    def use_q8_0(self, q: torch.Tensor, scale: torch.Tensor, ops: Any) -> None:
+        """Run on a GGUF file's Q8_0 blocks as they are (q [N, K] int8, fp16 scale [N, ceil(K / 32)],
+        w = q * scale) in place of `weight`: pagecli.native's AVX2 int8 kernel, activations rounded to
+        int16 (the only kernel that takes them; gguf_blocks.use_gguf_products decides)."""
+        bias = None if self.bias is None else self.bias.detach()
+        self.packed = ops.PackedLinearInt8(q, scale, bias, int16_activations=True)
+        self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
+        self.weight_scale = nn.Parameter(self.packed.scales, requires_grad=False)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.forward(x)

@@ -57,12 +57,12 @@
 namespace pagecli {
 namespace {
 
-// scale [N, B] bf16 -> [ceil(N / cols), B, cols], zero past N: each panel's scales, a block at a time
-// (the VNNI panels' 48 columns, the AVX2 panels' 16).
-at::Tensor scales_by_panel(const at::Tensor& scale, int64_t cols) {
-  const int64_t N = scale.size(0), B = scale.size(1), num_panels = ceil_div(N, cols);
+// scale [N, B] (bf16, or fp16 for Q8_0 blocks) -> [ceil(N / cols), blocks, cols] (blocks >= B), zero
+// past N and B: each panel's scales, a block at a time (the VNNI panels' 48 columns, the AVX2 panels' 16).
+at::Tensor scales_by_panel(const at::Tensor& scale, int64_t cols, int64_t blocks) {
+  const int64_t N = scale.size(0), B = blocks, num_panels = ceil_div(N, cols);
   auto padded = at::zeros({num_panels * cols, B}, scale.options());
-  padded.narrow(0, 0, N).copy_(scale);
+  padded.narrow(0, 0, N).narrow(1, 0, scale.size(1)).copy_(scale);
   return padded.view({num_panels, cols, B}).transpose(1, 2).contiguous();
 }
 
@@ -166,13 +166,15 @@ at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const u
 // The AVX2 layout (panel_i16.h's pairs): int8 [ceil(N / 16), Kp / 2, 32] where pair j of panel p holds
 // columns 16 p + 0-7 in its first 16 bytes and 16 p + 8-15 in the next, byte 2 c + t of each half
 // column c's q at k = 2 j + t (zero past N and K), and the bf16 scales [ceil(N / 16), Kp / 64, 16]
-// (zero past N). A 64-block's int32 sums (|sum| < 2^28) take d times the columns' scales.
+// (zero past N). A 64-block's int32 sums (|sum| < 2^28) take d times the columns' scales. GGUF's
+// Q8_0 blocks run as they lie: kBlock 32 with their fp16 scales (the same kernel, a fold per 32 k).
 constexpr int64_t kPairBytes = 2 * kPanelF32Cols;
 
+template <int64_t kBlock, bool kHalfScales>
 struct Int8Pairs {
-  static constexpr int64_t kGroupPairs = kAct16Block / 2;  // one scale per 64-block
+  static constexpr int64_t kGroupPairs = kBlock / 2;  // one scale per block
   const int8_t* data;
-  const uint16_t* scale;  // bf16 bits
+  const uint16_t* scale;  // bf16 bits, or fp16 ones (kHalfScales)
   int64_t pairs, blocks;
 
   void widen(int64_t p, int64_t j, __m256i& lo, __m256i& hi) const {
@@ -187,6 +189,7 @@ struct Int8Pairs {
 
   Scales scales(int64_t p, int64_t block, int half) const {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + (p * blocks + block) * kPanelF32Cols + 8 * half));
+    if constexpr (kHalfScales) return {_mm256_cvtph_ps(bits)};
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16))};  // bf16 -> fp32
   }
 
@@ -213,10 +216,14 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
               "PackedLinearInt8 takes a contiguous int8 [N, K] CPU weight");
-  const int64_t blocks = ceil_div(K_, kActBlock);
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.dim() == 2 && scale.size(0) == N_ &&
-                  scale.size(1) == blocks,
-              "scale must be bf16 [N, ceil(K / 64)] = [", N_, ", ", blocks, "]");
+  const int64_t blocks = ceil_div(K_, kActBlock), q8_blocks = ceil_div(K_, kQ8Block);
+  q8_0_ = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N_ &&
+                  ((scale.scalar_type() == at::kBFloat16 && scale.size(1) == blocks) ||
+                   (q8_0_ && scale.size(1) == q8_blocks)),
+              "scale must be bf16 [N, ceil(K / 64)] = [", N_, ", ", blocks, "] or, for Q8_0 blocks, fp16 [N, ceil(K / 32)] = [",
+              N_, ", ", q8_blocks, "]");
+  TORCH_CHECK(!(q8_0_ && vnni_), "Q8_0 blocks (fp16 scales per 32) run on the AVX2 kernel only: pass int16_activations");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, "bias must have N = ", N_, " values");
     bias_ = padded_fp32(*bias, N_);
@@ -224,13 +231,13 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
 #if PAGECLI_INT8_VNNI
   if (vnni_) {
     weights_ = pack_int8(q);
-    scale_ = scales_by_panel(scale, kPanelCols);
+    scale_ = scales_by_panel(scale, kPanelCols, scale.size(1));
     return;
   }
 #endif
 #if PAGECLI_INT8_AVX2
   weights_ = pack_int8_pairs(q);
-  scale_ = scales_by_panel(scale, kPanelF32Cols);
+  scale_ = scales_by_panel(scale, kPanelF32Cols, act16_padded_k(K_) / (q8_0_ ? kQ8Block : kActBlock));
 #endif
 }
 
@@ -246,10 +253,10 @@ at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
 #endif
 #if PAGECLI_INT8_AVX2
   if (!vnni_) {
-    y = panel_product16(Int8Pairs{weights_.data_ptr<int8_t>(),
-                                  reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>()),
-                                  weights_.size(1), scale_.size(1)},
-                        x2, bp, N_);
+    const uint16_t* sp = static_cast<const uint16_t*>(scale_.data_ptr());
+    const int8_t* wp = weights_.data_ptr<int8_t>();
+    y = q8_0_ ? panel_product16(Int8Pairs<kQ8Block, true>{wp, sp, weights_.size(1), scale_.size(1)}, x2, bp, N_)
+              : panel_product16(Int8Pairs<kActBlock, false>{wp, sp, weights_.size(1), scale_.size(1)}, x2, bp, N_);
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

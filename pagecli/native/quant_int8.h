@@ -24,6 +24,10 @@ namespace pagecli {
 //    64-block, q in 16-column panels in k pairs widened to int16, each block's sums in int32 with
 //    vpmaddwd, then the same block formula (panel_i16.h; int8_blocks_reference with levels=32767);
 //    a row gets the same bits alone or in any batch there too.
+// GGUF's Q8_0 blocks run as they lie on the AVX2 kernel: q [N, K] int8 and an fp16 scale per 32 along
+// k ([N, ceil(K / 32)]; the scale's dtype says which), w = q * scale.
+constexpr int64_t kQ8Block = 32;
+
 class PackedLinearInt8 : public PackedProduct {
  public:
   // int16_activations: the AVX2 kernel (activations rounded to int16) even where the build has
@@ -45,7 +49,8 @@ class PackedLinearInt8 : public PackedProduct {
   at::Tensor scale_;    // bf16 [ceil(N / 48), Kp / 64, 48] (AVX512-VNNI) or [ceil(N / 16), Kp / 64, 16] (AVX2), zero past N
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias
   int64_t N_, K_;
-  bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one (panel_f32.h)
+  bool vnni_;  // the VNNI kernel and its packed layout, else the AVX2 one (panel_i16.h)
+  bool q8_0_ = false;  // fp16 scales per 32 (GGUF Q8_0 blocks as they lie; AVX2 kernel only)
 };
 
 // Which kernel this build runs: "avx512_vnni", "avx2", or "" (none: the constructor raises).
