@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gemm_bf16.h"
 #include "work_share.h"
@@ -37,6 +38,38 @@ constexpr int64_t kPanelRowBlock = 6;  // rows of x per tile, where there are th
 
 // Panels per tile for a tile of R rows: at most 12 accumulators, and at least 4 FMA chains.
 constexpr int panels_for(int64_t rows) { return rows >= 4 ? 1 : 2; }
+
+// A tile's fp32 sums (rows `stride` floats apart) -> y's first `cols` columns (rows N apart), plus the
+// bias if any, added in fp32 after them.
+inline void store_tile(const float* sums, int64_t stride, int rows, const float* bias, float* y, int64_t N,
+                       int64_t cols) {
+  for (int r = 0; r < rows; ++r) {
+    const float* s = sums + r * stride;
+    float* yr = y + r * N;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = bias ? s[c] + bias[c] : s[c];
+  }
+}
+
+// f(std::integral_constant<int, R>()) for a tile of R = rows rows: 1-3 where the tile has two panels,
+// 1-6 where it has one (panels_for), so each tile size is its own compiled kernel.
+template <int P, typename F>
+void with_tile_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: break;
+  }
+  if constexpr (P == 1) {
+    switch (rows) {
+      case 4: return f(std::integral_constant<int, 4>());
+      case 5: return f(std::integral_constant<int, 5>());
+      case 6: return f(std::integral_constant<int, 6>());
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "panel product: no tile of ", rows, " rows by ", P, " panels");
+}
 
 #if PAGECLI_PANEL_F32
 namespace panel_f32 {
@@ -77,30 +110,7 @@ void tile_kernel(const Panels& w, const Tile& t) {
 #pragma GCC unroll 8
     for (int v = 0; v < 2 * P; ++v) _mm256_store_ps(sums[r][v], acc[r][v]);
   }
-  for (int r = 0; r < R; ++r) {
-    const float* s = &sums[r][0][0];
-    float* yr = t.y + r * t.N;
-    for (int64_t c = 0; c < t.cols; ++c) yr[c] = t.bias ? s[c] + t.bias[c] : s[c];
-  }
-}
-
-template <int P, typename Panels>
-void tile_rows(int64_t rows, const Panels& w, const Tile& t) {
-  switch (rows) {
-    case 1: return tile_kernel<1, P>(w, t);
-    case 2: return tile_kernel<2, P>(w, t);
-    case 3: return tile_kernel<3, P>(w, t);
-    default: break;
-  }
-  if constexpr (P == 1) {
-    switch (rows) {
-      case 4: return tile_kernel<4, 1>(w, t);
-      case 5: return tile_kernel<5, 1>(w, t);
-      case 6: return tile_kernel<6, 1>(w, t);
-      default: break;
-    }
-  }
-  TORCH_CHECK(false, "panel product: no tile of ", rows, " rows by ", P, " panels");
+  store_tile(&sums[0][0][0], 2 * P * 8, R, t.bias, t.y, t.N, t.cols);
 }
 
 }  // namespace panel_f32
@@ -142,9 +152,9 @@ void panel_product(const Panels& w, const float* x, const float* bias, float* y,
     const int64_t c0 = panel * kPanelF32Cols;
     const Tile t{panel, x + m0 * K, bias ? bias + c0 : nullptr, y + m0 * N + c0, K, N, cols};
     if (P == 2) {
-      tile_rows<2>(rows, w, t);
+      with_tile_rows<2>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
     } else {
-      tile_rows<1>(rows, w, t);
+      with_tile_rows<1>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
     }
   });
 }

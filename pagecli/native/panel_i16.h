@@ -149,30 +149,7 @@ void tile_kernel(const Pairs& w, const Tile& t) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* s = &acc[r][0][0];
-    float* yr = t.y + r * t.N;
-    for (int64_t c = 0; c < t.cols; ++c) yr[c] = t.bias ? s[c] + t.bias[c] : s[c];
-  }
-}
-
-template <int P, typename Pairs>
-void tile_rows(int64_t rows, const Pairs& w, const Tile& t) {
-  switch (rows) {
-    case 1: return tile_kernel<1, P>(w, t);
-    case 2: return tile_kernel<2, P>(w, t);
-    case 3: return tile_kernel<3, P>(w, t);
-    default: break;
-  }
-  if constexpr (P == 1) {
-    switch (rows) {
-      case 4: return tile_kernel<4, 1>(w, t);
-      case 5: return tile_kernel<5, 1>(w, t);
-      case 6: return tile_kernel<6, 1>(w, t);
-      default: break;
-    }
-  }
-  TORCH_CHECK(false, "int16 panel product: no tile of ", rows, " rows by ", P, " panels");
+  store_tile(&acc[0][0][0], 2 * P * 8, R, t.bias, t.y, t.N, t.cols);
 }
 
 }  // namespace panel_i16
@@ -196,9 +173,9 @@ at::Tensor panel_product16(const Pairs& w, const at::Tensor& x, const float* bia
     const Tile t{panel, qp + m0 * Kp, dp + m0 * (Kp / kAct16Block), sp + m0 * (Kp / kAct16Group),
                  bias ? bias + c0 : nullptr, yp + m0 * N + c0, Kp, N, cols};
     if (P == 2) {
-      tile_rows<2>(n_rows, w, t);
+      with_tile_rows<2>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
     } else {
-      tile_rows<1>(n_rows, w, t);
+      with_tile_rows<1>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
     }
   });
   return y.to(x.scalar_type());
