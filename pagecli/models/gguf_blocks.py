@@ -5,7 +5,8 @@ The block formats map onto pagecli's layouts: Q4_1 (32 weights: fp16 scale d, fp
 16 bytes of nibbles; w = q * d + m) is quantize_int4's layout itself; Q4_0 (fp16 d, nibbles,
 w = (q - 8) * d) is the case m = -8 d (exact in fp16 and in the fp32 sum). Both then run on
 pagecli.native's 4-bit kernel, the same bytes llama.cpp reads. Q8_0 (fp16 d, 32 int8; w = q * d)
-runs as it is on the AVX2 int8 kernel (activations rounded to int16: float32 models, every CPU);
+runs as it is on the AVX2 int8 kernel (activations rounded to int16; float32 models on every CPU,
+every model on CPUs without VNNI: runs_q8_0);
 elsewhere its exact values are requantized to pagecli's int8 blocks of 64 (lossy: a second
 rounding). The output layer (or the tied embedding table) runs on its Q8_0 blocks the same way,
 where the file holds it so and the AVX2 kernel runs; otherwise it keeps the converted floats. Other

@@ -1,14 +1,13 @@
 // The AVX2 quantized products (int8 weights in quant_int8.cpp, 4-bit ones in quant_int4.cpp): the
 // activations rounded to int16 per row and block of 64 along k, multiplied by the weights widened to
 // int16 with vpmaddwd (16 products an instruction, summed in pairs into int32 lanes), each group's
-// exact integer sums scaled in fp32 once per group. AVX2 has no int8 dot product that keeps a
-// signed weight and a signed activation apart (vpmaddubsw takes one unsigned operand and saturates
-// at int16), and the float kernel this replaced spent four instructions a weight on widening it
+// exact integer sums scaled in fp32 once per group. AVX2 has no dot product of two signed int8
+// operands (vpmaddubsw takes one unsigned operand and saturates at int16), and the float kernel this replaced spent four instructions a weight on widening it
 // to fp32 (load, extend, convert, scale) before its FMA: decode was bound by those, not by memory.
 //
 // Activations: per row and 64-block, d = max |x| / 32767 and xq = round(x * (32767 / max |x|)) (ties
 // to even), a block whose max |x| is below 1e-30 all zeros; each value moves at most max |x| / 65534,
-// 2^-16 of its block's largest, 256 times finer than the int8 rounding of the VNNI kernels (and of
+// 2^-16 of its block's largest, 258 times finer than the int8 rounding of the VNNI kernels (and of
 // llama.cpp's Q8 activations): float32 models keep their numbers to about float32's products' own
 // rounding. The sums of xq per 32-group come along (4-bit weights' minimum). pagecli.models.quantize
 // .round_activations(x, 32767) is this in PyTorch.
@@ -19,8 +18,9 @@
 // A format is a `Pairs` type with kGroupPairs (k pairs per scale group), widen(p, j, lo, hi) (pair j of
 // panel p: columns 0-7 and 8-15 as int16), scales(p, g, half) (group g's scales of 8 columns, read
 // once for all the tile's rows) and fold(scales, isum, d, gsum, acc) (a row's int32 sums of the group
-// -> its fp32 accumulator; d its scale of the group's 64-block, gsum its sum of xq over the 32-group). Register tile: R rows by P panels, 2 R P int32 sums
-// (at most 12 ymm), the fp32 totals in memory between groups (12 more would not fit). Each output
+// -> its fp32 accumulator; d its scale of the group's 64-block, gsum its sum of xq over the
+// 32-group). Register tile: R rows by P panels (panel_f32.h's for_panel_tiles), 2 R P int32 sums (at
+// most 12 ymm), the fp32 totals in memory between groups (12 more would not fit). Each output
 // adds its groups in order whatever the tile, so a row gets the same bits alone or in any batch.
 
 #pragma once
