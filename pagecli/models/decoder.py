@@ -18,8 +18,8 @@ from pagecli.errors import PagecliError
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
-from pagecli.models.quantize import (Int8Reference, check_quantize_device, int8_product, uses_int16_activations,
-                                     native_takes)
+from pagecli.models.quantize import (Int8Reference, check_quantize_device, int8_product, native_takes,
+                                     quantize_int8, uses_int16_activations)
 from pagecli.models.quantize_int4 import Int4Reference
 from pagecli.models.spec import DecoderSpec
 
@@ -186,9 +186,18 @@ class CausalLM(nn.Module):
             self.lm_head.quantize_int8(ops, int16_activations)
             self.output_packed = self.lm_head.packed
             return
-        self.output_packed, q, scale = int8_product(self.model.embed_tokens.weight, None, ops, int16_activations)
-        self.output_int8 = nn.Parameter(q, requires_grad=False)  # counted as the model's bytes
-        self.output_int8_scale = nn.Parameter(scale, requires_grad=False)
+        self._output_on_int8(*quantize_int8(self.model.embed_tokens.weight), ops, int16_activations)
+
+    def _output_on_int8(self, q: torch.Tensor, scale: torch.Tensor, ops: Any, int16_activations: bool) -> None:
+        """The output layer's product on these int8 weights (quantize.int8_product): lm_head's own, or
+        beside a tied table, which stays as it is for the lookup while the product reads the int8 copy."""
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.use_int8(q, scale, ops, int16_activations)
+            self.output_packed = self.lm_head.packed
+            return
+        self.output_packed, weights, scales = int8_product(q, scale, None, ops, int16_activations)
+        self.output_int8 = nn.Parameter(weights, requires_grad=False)  # counted as the model's bytes
+        self.output_int8_scale = nn.Parameter(scales, requires_grad=False)
 
     def _gguf_output(self, ops: Any, int16_activations: bool) -> None:
         """--quantize gguf: the output layer on the file's Q8_0 blocks as they are (gguf_blocks.runs_q8_0),
@@ -199,13 +208,7 @@ class CausalLM(nn.Module):
         parts = self._gguf_blocks().output()
         if not isinstance(parts, gguf_blocks.Q8Parts) or not gguf_blocks.runs_q8_0(ops, int16_activations):
             return
-        if not self.spec.tie_word_embeddings:
-            self.lm_head.use_q8_0(parts.q, parts.scale, ops)
-            self.output_packed = self.lm_head.packed
-            return
-        self.output_packed = ops.PackedLinearInt8(parts.q, parts.scale, None, int16_activations=True)
-        self.output_int8 = nn.Parameter(self.output_packed.weights, requires_grad=False)  # the model's bytes
-        self.output_int8_scale = nn.Parameter(self.output_packed.scales, requires_grad=False)
+        self._output_on_int8(parts.q, parts.scale, ops, int16_activations=True)
 
     _gguf: Any = None  # --quantize gguf: the file's GgufBlocks while layers are put on them
 

@@ -186,7 +186,7 @@ def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops
                       int16_activations: bool = False) -> None:
     """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
     kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts as they are on the
-    int8 kernel where it rounds activations to int16 (use_q8_0), else requantized to pagecli's int8
+    int8 kernel where it rounds activations to int16 (use_q8_parts), else requantized to pagecli's int8
     blocks (int8_ops likewise), anything else left on the converted folder's floats.
     int16_activations: as Linear.quantize_int8."""
     for (module_name, product_name), parts in products.items():
@@ -207,7 +207,7 @@ def use_q8_parts(linear: Any, parts: Q8Parts, int8_ops: Any, int16_activations: 
     """A Linear on a Q8_0 weight: its blocks as they are where the AVX2 int8 kernel runs it, else
     requantized to pagecli's int8 blocks of 64."""
     if runs_q8_0(int8_ops, int16_activations):
-        linear.use_q8_0(parts.q, parts.scale, int8_ops)
+        linear.use_int8(parts.q, parts.scale, int8_ops, int16_activations=True)
         return
     linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
     linear.quantize_int8(int8_ops, int16_activations)

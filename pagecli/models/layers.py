@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pagecli.models.quantize import int8_product
+from pagecli.models.quantize import int8_product, quantize_int8
 from pagecli.models.quantize_int4 import Int4Reference, quantize_int4
 from pagecli.models.spec import rope_parameters, rope_type_of
 
@@ -132,13 +132,18 @@ class Linear(nn.Linear):
         pagecli.native's PackedLinearInt8 when `ops` is given, else by the PyTorch reference.
         int16_activations: the native kernel rounds x to int16 (the AVX2 kernel; float32 models ask
         for it) instead of to int8 where the CPU has VNNI."""
-        if self.packed is not None:
-            return
+        if self.packed is None:
+            self.use_int8(*quantize_int8(self.weight), ops, int16_activations)
+
+    def use_int8(self, q: torch.Tensor, scale: torch.Tensor, ops: Any, int16_activations: bool = False) -> None:
+        """Run on these int8 weights (q [N, K], scales as quantize.int8_product takes them) in place of
+        `weight`: quantized here, or a GGUF file's Q8_0 blocks as they are (fp16 scales per 32, on the
+        AVX2 kernel: gguf_blocks.use_q8_parts)."""
         bias = None if self.bias is None else self.bias.detach()
-        self.packed, q, scale = int8_product(self.weight, bias, ops, int16_activations)
+        self.packed, weights, scales = int8_product(q, scale, bias, ops, int16_activations)
         self.weight = None
-        self.packed_weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.packed_weight = nn.Parameter(weights, requires_grad=False)
+        self.weight_scale = nn.Parameter(scales, requires_grad=False)
 
     def quantize_int4(self, ops: Any, int16_activations: bool = False) -> None:
         """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's
@@ -162,16 +167,6 @@ class Linear(nn.Linear):
             self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
             self.weight_min = nn.Parameter(minimum, requires_grad=False)
-        self.weight = None
-
-    def use_q8_0(self, q: torch.Tensor, scale: torch.Tensor, ops: Any) -> None:
-        """Run on a GGUF file's Q8_0 blocks as they are (q [N, K] int8, fp16 scale [N, ceil(K / 32)],
-        w = q * scale) in place of `weight`: pagecli.native's AVX2 int8 kernel, activations rounded to
-        int16 (the only kernel that takes them; gguf_blocks.use_gguf_products decides)."""
-        bias = None if self.bias is None else self.bias.detach()
-        self.packed = ops.PackedLinearInt8(q, scale, bias, int16_activations=True)
-        self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
-        self.weight_scale = nn.Parameter(self.packed.scales, requires_grad=False)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -97,12 +97,13 @@ class Int8Reference:
         return y.to(x.dtype)
 
 
-def int8_product(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any,
+def int8_product(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, ops: Any,
                  int16_activations: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """weight quantized (quantize_int8) and the product that runs it: pagecli.native's PackedLinearInt8
-    when ops is given (int16_activations as there), else Int8Reference; with the int8 weights and scales
-    the product reads, for the owning module to keep as parameters (so they count as the model's bytes)."""
-    q, scale = quantize_int8(weight)
+    """The product that runs int8 weights q [N, K] with their scales: pagecli.native's PackedLinearInt8
+    when ops is given (int16_activations as there; bf16 scales per 64, or a GGUF Q8_0 tensor's fp16
+    ones per 32, which only its AVX2 kernel takes), else Int8Reference (bf16 scales per 64); with the
+    weights and scales the product reads, for the owning module to keep as parameters (so they count
+    as the model's bytes)."""
     if ops is None:
         return Int8Reference(q, scale, bias), q, scale
     product = ops.PackedLinearInt8(q, scale, bias, int16_activations=int16_activations)

@@ -170,19 +170,24 @@ at::Tensor panel_product_of(const Panels& w, const at::Tensor& x, const float* b
 }
 #endif
 
+// fn(p, c, row) for every column 16 p + c < N of src [N, K] row-major (row: its K values), the panels
+// shared out over the threads: how every panel layout is packed.
+template <typename T, typename Fn>
+void for_panel_columns(const T* src, int64_t N, int64_t K, const Fn& fn) {
+  at::parallel_for(0, ceil_div(N, kPanelF32Cols), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) fn(p, c, src + (p * kPanelF32Cols + c) * K);
+    }
+  });
+}
+
 // src [N, K] row-major -> dst [ceil(N / 16), K, 16] where row k of panel p holds, at slot(c), column
 // 16 p + c's value (dst must come zeroed: columns past N stay zero).
 template <typename T, typename Slot>
 void pack_f32_panels(const T* src, T* dst, int64_t N, int64_t K, const Slot& slot) {
-  const int64_t num_panels = ceil_div(N, kPanelF32Cols);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
-        const T* row = src + (p * kPanelF32Cols + c) * K;
-        T* out = dst + p * K * kPanelF32Cols + slot(c);
-        for (int64_t k = 0; k < K; ++k) out[k * kPanelF32Cols] = row[k];
-      }
-    }
+  for_panel_columns(src, N, K, [&](int64_t p, int64_t c, const T* row) {
+    T* out = dst + p * K * kPanelF32Cols + slot(c);
+    for (int64_t k = 0; k < K; ++k) out[k * kPanelF32Cols] = row[k];
   });
 }
 

@@ -46,7 +46,6 @@ inline int64_t act16_padded_k(int64_t K) { return (K + kAct16Block - 1) / kAct16
 // 32-group, exact: at most 32 * 32767).
 struct Rows16 {
   at::Tensor xq, d, gsum;
-  int64_t Kp;
 };
 
 inline void round_block16(const float* x, int64_t n, int16_t* q, float* d, float* gsum) {
@@ -82,7 +81,7 @@ inline void round_block16(const float* x, int64_t n, int16_t* q, float* d, float
 inline Rows16 round_rows16(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), Kp = act16_padded_k(K), blocks = Kp / kAct16Block;
   Rows16 out{at::empty({M, Kp}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options()),
-             at::empty({M, 2 * blocks}, x.options()), Kp};
+             at::empty({M, 2 * blocks}, x.options())};
   const float* xp = x.data_ptr<float>();
   int16_t* qp = out.xq.data_ptr<int16_t>();
   float* dp = out.d.data_ptr<float>();
@@ -163,7 +162,7 @@ at::Tensor panel_product16(const Pairs& w, const at::Tensor& x, const float* bia
   auto y = at::empty({M, N}, xf.options());
   if (M == 0) return y.to(x.scalar_type());
   const Rows16 rows = round_rows16(xf);
-  const int64_t Kp = rows.Kp;
+  const int64_t Kp = rows.xq.size(1);
   const int16_t* qp = rows.xq.data_ptr<int16_t>();
   const float* dp = rows.d.data_ptr<float>();
   const float* sp = rows.gsum.data_ptr<float>();
@@ -187,14 +186,8 @@ at::Tensor panel_product16(const Pairs& w, const at::Tensor& x, const float* bia
 // pair j of panel p.
 template <typename T, typename Put>
 void pack_pair_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t Kp, int64_t pair_bytes, const Put& put) {
-  const int64_t num_panels = ceil_div(N, kPanelF32Cols);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanelF32Cols && p * kPanelF32Cols + c < N; ++c) {
-        const T* row = src + (p * kPanelF32Cols + c) * K;
-        for (int64_t k = 0; k < K; ++k) put(dst + (p * (Kp / 2) + k / 2) * pair_bytes, c, k % 2, row[k]);
-      }
-    }
+  for_panel_columns(src, N, K, [&](int64_t p, int64_t c, const T* row) {
+    for (int64_t k = 0; k < K; ++k) put(dst + (p * (Kp / 2) + k / 2) * pair_bytes, c, k % 2, row[k]);
   });
 }
 
