@@ -280,10 +280,16 @@ def _default_run(torch: Any) -> list[Finding]:
         dtype_why = f"the model stores {stored}; this CPU lacks AVX512-BF16, so float32 is faster"
     else:
         dtype_why = f"the model stores {stored}"
+    if device.type == "cpu" and dtype == torch.float32:
+        weights = ("the embedded model's own Q4_1 blocks as they lie (gguf), on the native kernels that round "
+                   "activations to int16 (the PyTorch path runs the converted floats)")
+    else:
+        weights = f"as loaded, in {dtype_name} (a .gguf model's blocks run as they lie only in float32 runs on CPU)"
     return [
         Finding("default run", "device", f"{device.type} (--device {config.device})"),
         Finding("default run", "attention", f"{backend.name} (--attention {config.attention}): {backend_why}"),
         Finding("default run", "dtype", f"{dtype_name} (--dtype {config.dtype}): {dtype_why}"),
+        Finding("default run", "weights", f"--quantize {config.quantize}: {weights}"),
     ]
 
 

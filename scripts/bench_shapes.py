@@ -145,7 +145,7 @@ def main() -> None:
     model = args.model.rstrip("/")
     # `gguf` runs a .gguf file's own blocks: the first of --ggufs beside the model folder.
     gguf_model = f"{model}.{args.ggufs.split(',')[0]}.gguf"
-    contenders = {f"pagecli {'auto' if q == 'none' else q.replace('none@', '')}":
+    contenders = {f"pagecli {q.replace('none@', '')}":
                   (lambda task, q=q: pagecli_rate(task, gguf_model if q.split(":")[-1].startswith("gguf") else model,
                                                   args.threads, q, args.kv_dtype))
                   for q in args.quantize.split(",")}

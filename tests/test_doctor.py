@@ -103,6 +103,12 @@ def test_default_run_on_a_cpu_takes_the_torch_backend_and_says_why():
     assert findings["device"].value.startswith("cpu")
     assert findings["attention"].value.startswith("torch") and "no CUDA device" in findings["attention"].value
     assert findings["dtype"].value.split()[0] in ("bfloat16", "float32")
+    weights = findings["weights"].value
+    assert weights.startswith("--quantize auto: ")
+    if findings["dtype"].value.startswith("float32"):  # the embedded model's own blocks (gguf_blocks.auto_quantize)
+        assert "own Q4_1 blocks as they lie" in weights
+    else:
+        assert weights.startswith("--quantize auto: as loaded, in bfloat16")
 
 
 def test_missing_embedded_model_says_how_to_install_it(monkeypatch):

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-from pagecli.errors import PagecliError
+from pagecli.errors import ModelError, PagecliError
 from pagecli.models import gguf_blocks
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
@@ -121,6 +121,48 @@ def test_the_embedded_file_says_which_path_its_weights_take():
 def test_quantize_gguf_needs_a_gguf_model(tiny_model_factory):
     with pytest.raises(PagecliError, match="not loaded from a .gguf file"):
         Engine(str(tiny_model_factory("llama")), EngineConfig(dtype="bfloat16", disk_cache=False, quantize="gguf"))
+
+
+AVX2_OPS = SimpleNamespace(int8_linear_kind=lambda: "avx2", int4_linear_kind=lambda: "avx2")
+
+
+def test_auto_runs_a_gguf_models_blocks_only_where_it_runs_in_float32_on_the_native_kernels(
+        smollm2_dir, tiny_model_factory, monkeypatch):
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "gguf"
+    vnni = SimpleNamespace(int8_linear_kind=lambda: "avx512_vnni", int4_linear_kind=lambda: "avx512_vnni")
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, vnni) == "gguf"  # float32: int16 kernels
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.bfloat16, vnni) == "none"  # int8 activations: lossy
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, None) == "none"  # the PyTorch path
+    unbuilt = SimpleNamespace(int8_linear_kind=lambda: "", int4_linear_kind=lambda: "")
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, unbuilt) == "none"
+    assert gguf_blocks.auto_quantize(tiny_model_factory("llama"), torch.float32, AVX2_OPS) == "none"  # not a GGUF
+    monkeypatch.setattr(gguf_blocks, "tensor_types", lambda path, folder=None: {"F16": 7, "F32": 2})
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # no blocks to run
+
+    def unreadable(path, folder=None):
+        raise ModelError("not a GGUF file")
+
+    monkeypatch.setattr(gguf_blocks, "tensor_types", unreadable)
+    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # the floats still load
+
+
+def test_the_default_engine_runs_the_embedded_models_blocks_in_float32(smollm2_dir):
+    """--quantize auto (the default) as the engine resolves it: the file's blocks in a float32 run with the
+    native kernels, another KV fingerprint than the floats' (another model's numbers), the floats in bf16."""
+    said = []
+    config = EngineConfig(dtype="float32", disk_cache=False)
+    with Engine(str(smollm2_dir), config, progress=said.append) as engine:
+        native_ops = native.cpu_ops() if native.enabled() else None
+        assert engine.quantize == ("gguf" if native_ops is not None else "none")
+        auto_fingerprint = engine.fingerprint
+        if engine.quantize == "gguf":
+            assert any("--quantize auto" in message for message in said)
+            assert type(engine.loaded.model.output_packed).__name__ == "PackedLinearInt8"
+    with Engine(str(smollm2_dir), EngineConfig(dtype="float32", disk_cache=False, quantize="none")) as engine:
+        assert engine.quantize == "none"
+        assert (engine.fingerprint != auto_fingerprint) == (native_ops is not None)
+    with Engine(str(smollm2_dir), EngineConfig(dtype="bfloat16", disk_cache=False)) as engine:
+        assert engine.quantize == "none"
 
 
 @pytest.mark.slow

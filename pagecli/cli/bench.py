@@ -415,9 +415,10 @@ def run_perplexity(settings: o.RunSettings, text: str, ctx: int, kl_base: Any = 
             kl.check_compatible(base, kl_base, ctx, digest)
         hook = None if kl_base is None else kl.Comparer(base) if base is not None else kl.Recorder()
         result = compute(engine, text, ctx, show, hook)
-    what = (f"{engine.model_name}, quantize {settings.engine.quantize}, {engine.loaded.dtype}, "
+    quantize = engine.quantize + (" (auto)" if settings.engine.quantize == "auto" else "")
+    what = (f"{engine.model_name}, quantize {quantize}, {engine.loaded.dtype}, "
             f"kv {engine.kv_format.name}").replace("torch.", "")
-    typer.echo(f"perplexity {result.ppl:.4f} +/- {result.stderr:.4f}  ({engine.model_name}, quantize {settings.engine.quantize}, "
+    typer.echo(f"perplexity {result.ppl:.4f} +/- {result.stderr:.4f}  ({engine.model_name}, quantize {quantize}, "
                f"kv {engine.kv_format.name}, "
                f"{result.windows} windows of {result.ctx} tokens, {result.tokens_scored} tokens scored)")
     if isinstance(hook, kl.Recorder):

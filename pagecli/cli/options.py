@@ -81,10 +81,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("disk_cache", "disk_cache", Optional[bool], _opt(
         "--disk-cache/--no-disk-cache", help="Keep prefixes in the disk prefix store across runs (default: on).")),
     Flag("quantize", "quantize", Optional[str], _opt(
-        "--quantize", help="none|int8|int4|gguf: int8 stores the decoder layers' weights as int8 with one scale "
-                           "per output channel (about half the bytes read per token); int4 in 4 bits, in groups of "
-                           "32 with a scale and a minimum each (about a third); quantized at load. gguf: a .gguf "
-                           "model's own Q4_0/Q4_1 blocks as they are (Q8_0 requantized to int8). CPU only.",
+        "--quantize", help="auto|none|int8|int4|gguf: int8 stores the decoder layers' weights as int8 with one "
+                           "scale per output channel (about half the bytes read per token); int4 in 4 bits, in "
+                           "groups of 32 with a scale and a minimum each (about a third); quantized at load. gguf: "
+                           "a .gguf model's own Q4_0/Q4_1/Q8_0 blocks as they are. auto (default): gguf for a .gguf "
+                           "model that runs in float32 (CPUs without bf16 arithmetic; the same numbers, a fifth "
+                           "of the bytes), none (the weights as loaded) otherwise. CPU only.",
         metavar="KIND")),
     Flag("kv_dtype", "kv_dtype", Optional[str], _opt(
         "--kv-dtype", help="auto|bfloat16|float16|float32|int8|fp8: how the KV cache stores K and V (auto: the "

@@ -14,7 +14,9 @@ from pagecli.errors import PagecliError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-QUANTIZE_CHOICES = ("none", "int8", "int4", "gguf")  # as loaded, int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
+# auto: a .gguf model's own blocks where a float32 model runs them on pagecli.native (gguf_blocks.auto_quantize),
+# else as loaded; int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
+QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 # How K/V lie in the pool (pagecli/attention/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
 KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -65,7 +67,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # default: PAGECLI_CACHE_DIR, else the user cache dir's prefix/
     disk_cache_max_gib: float = 2.0  # store size cap: least recently used chain tails are pruned past it
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
-    quantize: str = "none"  # decoder-layer weights quantized at load: none | int8 | int4 | gguf (CPU only)
+    quantize: str = "auto"  # decoder-layer weights at load: auto | none | int8 | int4 | gguf (CPU only)
     kv_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype) | bfloat16 | float16 | float32 | int8 | fp8
 
     def __post_init__(self) -> None:

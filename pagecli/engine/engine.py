@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.models.fingerprint import model_fingerprint
 from pagecli.models.decoder import CausalLM
-from pagecli.models.loader import LoadedModel, load_model, resolve_device
+from pagecli.models.loader import LoadedModel, load_hf_config, load_model, resolve_device, resolve_dtype
 from pagecli.store.blobs import BlockGeometry
 from pagecli.store.files import resolve_store_dir
 from pagecli.store.tier import DiskTier
@@ -106,13 +107,17 @@ class Engine:
             from pagecli.models.source import DEFAULT_MODEL_NAME, resolve_model
 
             folder = resolve_model(model, progress)
-            cpu_ops = self._cpu_ops(resolve_device(self.config.device), progress)
+            device = resolve_device(self.config.device)
+            cpu_ops = self._cpu_ops(device, progress)
+            self.quantize = self._resolve_quantize(folder, lambda: resolve_dtype(
+                self.config.dtype, load_hf_config(folder), device), cpu_ops)
             loaded = load_model(folder, self.config.dtype, self.config.device,
                                 max_positions=self._context_cap_for(folder),
                                 layer_ready=self._quantize_as_loaded(cpu_ops, progress))
             model = model or DEFAULT_MODEL_NAME
         else:
             cpu_ops = self._cpu_ops(loaded.device, progress)
+            self.quantize = self._resolve_quantize(loaded.folder, lambda: loaded.dtype, cpu_ops)
         self.loaded = loaded
         self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
@@ -121,9 +126,9 @@ class Engine:
         # The greedy token of each row by the CPU kernels (the logits come to the CPU either way).
         self._greedy_tokens = cpu_ops.greedy_tokens if cpu_ops is not None else None
         if cpu_ops is not None:
-            loaded.model.use_cpu_ops(cpu_ops, quantize=self.config.quantize)
+            loaded.model.use_cpu_ops(cpu_ops, quantize=self.quantize)
         else:
-            loaded.model.quantize_weights(self.config.quantize)  # PyTorch's int8 reference, or a refusal off the CPU
+            loaded.model.quantize_weights(self.quantize)  # PyTorch's int8 reference, or a refusal off the CPU
         self.kv_format = resolve_kv_format(self.config.kv_dtype, loaded.dtype, spec.head_dim)
         kv_bytes_per_token = self.kv_format.bytes_per_token(spec.num_layers, spec.num_kv_heads)
         self.kv_bytes_per_block = kv_bytes_per_token * self.config.block_size
@@ -132,7 +137,7 @@ class Engine:
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
         # Quantized weights or another KV format give other KV bytes than the model's dtype: another fingerprint.
         self.fingerprint = model_fingerprint(
-            loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.config.quantize, self.kv_format),
+            loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.quantize, self.kv_format),
             self.config.block_size,
         )
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -166,17 +171,33 @@ class Engine:
                                   "using the slower PyTorch path.")
         return ops
 
+    def _resolve_quantize(self, folder: Path, dtype: Callable[[], torch.dtype], cpu_ops: Any) -> str:
+        """The --quantize this engine runs: as given, or for `auto` (the default) gguf_blocks.auto_quantize's
+        choice (a .gguf model's own blocks where a float32 model runs them on the int16 kernels, else none)."""
+        if self.config.quantize != "auto":
+            return self.config.quantize
+        from pagecli.models import gguf_blocks
+
+        if cpu_ops is None or gguf_blocks.gguf_source(folder) is None:  # no config read for the common case
+            return "none"
+        return gguf_blocks.auto_quantize(folder, dtype(), cpu_ops)
+
     def _quantize_as_loaded(self, cpu_ops: Any, progress: Callable[[str], None] | None
                             ) -> Callable[[CausalLM, int], None] | None:
         """With --quantize, each decoder layer quantized (or put on its GGUF file's blocks) as soon as its
         weights are loaded (load_model's layer_ready): a 7B-shaped model loads to int4 within 6 GB
         instead of the 19 GB its float weights took at once."""
-        quantize = self.config.quantize
+        quantize = self.quantize
         if quantize == "none":
             return self._float_panels_as_loaded(cpu_ops)
         say = progress or (lambda message: None)
-        say("Putting the weights on the GGUF file's own blocks as they load" if quantize == "gguf"
-            else f"Quantizing the weights to {quantize} as they load")
+        if quantize != "gguf":
+            say(f"Quantizing the weights to {quantize} as they load")
+        elif self.config.quantize == "auto":
+            say("Running the GGUF file's own quantized blocks as they lie (--quantize auto; "
+                "--quantize none runs the converted floats)")
+        else:
+            say("Putting the weights on the GGUF file's own blocks as they load")
         done = [0, time.monotonic()]  # layers done, when progress was last said
 
         def ready(model: CausalLM, index: int) -> None:

@@ -221,7 +221,7 @@ class CausalLM(nn.Module):
             if source is None:
                 raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
                                    "loaded from a .gguf file (use int8 or int4).")
-            self._gguf = gguf_blocks.GgufBlocks(source, self.spec.num_heads, self.spec.num_kv_heads)
+            self._gguf = gguf_blocks.GgufBlocks(source, self.spec.num_heads, self.spec.num_kv_heads, self.source_folder)
         return self._gguf
 
     def use_cpu_ops(self, ops: Any, packed: bool | None = None, quantize: str = "none",

@@ -126,12 +126,12 @@ class GgufBlocks:
     """A GGUF file's decoder products, read a layer at a time (the file opened once): layer(i) gives
     (submodule, product) -> Int4Parts / Q8Parts / None (float) for layer i's four fused products."""
 
-    def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int) -> None:
-        from pagecli.models.gguf_convert import _open_reader
+    def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int, folder: Path | None = None) -> None:
+        from pagecli.models.gguf_index import read_tensors
 
         self.path = gguf_path
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.tensors = {t.name: t for t in _open_reader(gguf_path).tensors}
+        self.tensors = read_tensors(gguf_path, folder)  # through the converted folder's index where it has one
 
     def layer(self, index: int) -> dict[tuple[str, str], Any]:
         products: dict[tuple[str, str], Any] = {}
@@ -155,20 +155,45 @@ class GgufBlocks:
         return tensor_parts(tensor) if tensor is not None else None
 
 
-def tensor_types(gguf_path: Path) -> dict[str, int]:
-    """How many of the file's decoder-layer matrices each GGUF type holds (for `pagecli models`)."""
-    from pagecli.models.gguf_convert import _open_reader
+def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
+    """How many of the file's decoder-layer matrices each GGUF type holds (through the converted
+    folder's index, gguf_index, where one is given)."""
+    from pagecli.models.gguf_index import read_tensors
 
     counts: dict[str, int] = {}
-    for tensor in _open_reader(gguf_path).tensors:
+    for tensor in read_tensors(gguf_path, folder).values():
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     return counts
 
 
-def describe_path(gguf_path: Path) -> str:
-    """One line: which of the file's decoder weights run as they are with --quantize gguf, which as floats."""
-    counts = tensor_types(gguf_path)
+def auto_quantize(folder: Path, dtype: torch.dtype, ops: Any) -> str:
+    """--quantize auto (the default): "gguf" for a model converted from a .gguf file whose decoder weights
+    include Q4_0, Q4_1 or Q8_0 blocks, where it runs in float32 on pagecli.native (ops): there its blocks
+    run as they lie on the kernels that round activations to int16 (runs_q8_0), the same numbers as the
+    converted floats to 2^-16 of each activation block (KL 2e-7 on the embedded model) for a fifth of
+    the bytes a decode step reads; "none" (the converted floats) everywhere else: bf16 and fp16 models,
+    whose quantized products round activations to int8, the PyTorch path, GPUs, other files."""
+    from pagecli.models.quantize import native_takes, uses_int16_activations
+
+    if ops is None or not uses_int16_activations(dtype):
+        return "none"
+    if not (native_takes(ops.int8_linear_kind(), dtype) and native_takes(ops.int4_linear_kind(), dtype)):
+        return "none"
+    source = gguf_source(folder)
+    if source is None:
+        return "none"
+    try:
+        types = tensor_types(source, folder)
+    except (ModelError, OSError, ValueError):  # changed since its conversion: the converted floats still load
+        return "none"
+    return "gguf" if any(kind in AS_IS_TYPES for kind in types) else "none"
+
+
+def describe_path(gguf_path: Path, folder: Path | None = None) -> str:
+    """One line: which of the file's decoder weights run as they are with --quantize gguf, which as floats
+    (folder: its converted folder, whose index saves parsing the file)."""
+    counts = tensor_types(gguf_path, folder)
     as_is = {t: n for t, n in counts.items() if t in AS_IS_TYPES}
     floats = {t: n for t, n in counts.items() if t not in AS_IS_TYPES}
     parts = []

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pagecli.errors import ModelError
+from pagecli.models.gguf_index import index_entries, write_index
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
@@ -50,6 +51,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     reader, metadata, config = _read_header(gguf_path)
     say(f"Dequantizing {len(reader.tensors)} tensors to float32")
     _write_weights(gguf_path, reader, config, out_dir)
+    write_index(index_entries(reader), gguf_path, out_dir)  # where the file's blocks lie, for --quantize gguf (gguf_index)
     say("Writing tokenizer and chat template")
     _write_tokenizer(gguf_path, metadata, config, out_dir)
     _write_configs(config, out_dir)

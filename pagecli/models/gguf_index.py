@@ -1,0 +1,87 @@
+"""Where a GGUF file's tensors lie (name -> type, shape, byte offset), kept beside its converted folder.
+
+gguf's GGUFReader parses every metadata field when it opens a file: for the embedded model (a 49,152
+token vocabulary and its merges) that takes about 4 s, and running a converted model on its file's
+own blocks (--quantize gguf, the default for float32 runs) needs the file's tensors twice at start.
+The index is written when the file is converted (which reads it anyway) and read back in
+milliseconds; the tensors' bytes are then views of one read-only memory map of the file. A folder
+converted before the index existed gets it the first time it is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagecli.errors import ModelError
+
+INDEX_FILE = "gguf-tensors.json"
+_INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """What gguf_blocks reads of a tensor, as GGUFReader's ReaderTensor gives it: its type, its shape in
+    GGUF order (innermost first) and its bytes (uint8, flat)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def index_entries(reader: Any) -> dict[str, list[int]]:
+    """name -> [type, byte offset in the file, bytes, *shape] for every tensor a GGUFReader found."""
+    return {tensor.name: [int(tensor.tensor_type), int(tensor.data_offset), int(tensor.n_bytes),
+                          *(int(d) for d in tensor.shape)] for tensor in reader.tensors}
+
+
+def write_index(entries: dict[str, list[int]], gguf_path: Path, folder: Path) -> None:
+    """The index (index_entries) of `gguf_path` into `folder` (written whole, then renamed into place)."""
+    index = {"version": _INDEX_VERSION, "source_bytes": gguf_path.stat().st_size, "tensors": entries}
+    temp = folder / f".{INDEX_FILE}.tmp-{os.getpid()}"
+    temp.write_text(json.dumps(index))
+    os.replace(temp, folder / INDEX_FILE)
+
+
+def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, IndexedTensor]:
+    """The file's tensors by name: through `folder`'s index where it holds one for this file (else by
+    GGUFReader, and the index is written there for next time, where the folder is writable)."""
+    from gguf import GGMLQuantizationType
+
+    entries = _stored_entries(gguf_path, folder) if folder is not None else None
+    if entries is None:
+        from pagecli.models.gguf_convert import _open_reader
+
+        entries = index_entries(_open_reader(gguf_path))
+        if folder is not None:
+            try:
+                write_index(entries, gguf_path, folder)
+            except OSError:
+                pass  # a read-only cache: the next start parses the file again
+    mapping = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, (kind, offset, size, *shape) in entries.items():
+        if offset < 0 or size < 0 or offset + size > mapping.size:
+            raise ModelError(f"GGUF file '{gguf_path}' is shorter than its tensor '{name}' needs; is it truncated?")
+        tensors[name] = IndexedTensor(name, GGMLQuantizationType(kind), tuple(shape), mapping[offset:offset + size])
+    return tensors
+
+
+def _stored_entries(gguf_path: Path, folder: Path) -> dict[str, list[int]] | None:
+    """The folder's index if it is there, readable, and made from a file of this size."""
+    try:
+        index = json.loads((folder / INDEX_FILE).read_text())
+        if index["version"] != _INDEX_VERSION or index["source_bytes"] != gguf_path.stat().st_size:
+            return None
+        entries = index["tensors"]
+        if not all(isinstance(v, list) and len(v) >= 4 and all(isinstance(n, int) for n in v) for v in entries.values()):
+            return None
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
