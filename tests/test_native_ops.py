@@ -425,7 +425,7 @@ def test_silu_mul_matches_the_module(ops, dtype):
 
 def generate_tokens(model_dir, dtype: str) -> list[tuple[int, ...]]:
     prompts = [[5, 9, 2, 7] * 6, [3, 1], list(range(40, 90))]
-    with Engine(str(model_dir), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
+    with Engine(str(model_dir), EngineConfig(dtype=dtype, disk_cache=False, block_size=4, num_blocks=64)) as engine:
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert not engine.take_warnings()
     return [o.token_ids for o in outs]
@@ -559,7 +559,7 @@ def test_a_failed_build_is_said_once_and_the_engine_runs_on_pytorch(tiny_llama, 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 2, 5])  # bf16: AMX tiles, or the rows kernel up to 4 rows and oneDNN above
 def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_model_factory, arch, dtype, rows):
-    with Engine(str(tiny_model_factory(arch)), EngineConfig(dtype=dtype, disk_cache=False, block_size=4)) as engine:
+    with Engine(str(tiny_model_factory(arch)), EngineConfig(dtype=dtype, disk_cache=False, block_size=4, num_blocks=64)) as engine:
         model, backend, runner = engine.loaded.model, engine.backend, engine.runner
         assert model.decode_step is not None
         gen = torch.Generator().manual_seed(rows)
@@ -569,15 +569,26 @@ def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_m
 
 @pytest.mark.parametrize("count", [1, 2, 3])
 @pytest.mark.parametrize(("arch", "rows"), [("llama", 1), ("qwen3", 5)])
+@pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", "none"), ("float32", "none"), ("float32", "int8"),
+                                                 ("float32", "int4")])
 def test_the_decode_step_as_one_team_matches_the_python_layer_loop_at_any_thread_count(tiny_model_factory, arch,
-                                                                                        rows, count):
-    # bf16 with packed products: the whole step in one parallel region (DecodeStep::forward_team),
-    # its threads sharing each product and attention call, rank 0 alone between them.
-    with threads(count), Engine(str(tiny_model_factory(arch)),
-                                EngineConfig(dtype="bfloat16", disk_cache=False, block_size=4)) as engine:
+                                                                                        rows, count, dtype, quantize):
+    # The whole step in one parallel region (DecodeStep::forward_team), its threads sharing each
+    # product and attention call, rank 0 alone between them: bf16 on the packed GEMM, float32 on
+    # F32PanelLinear (avx2 level) or on the int8/int4 products that round activations to int16
+    # into the team's shared scratch.
+    config = EngineConfig(dtype=dtype, disk_cache=False, block_size=4, num_blocks=64, quantize=quantize)
+    with threads(count), Engine(str(tiny_model_factory(arch)), config) as engine:
         model, backend, runner = engine.loaded.model, engine.backend, engine.runner
-        if backend.cpu_ops is None or not backend.cpu_ops.has_packed_linear():
+        ops = backend.cpu_ops
+        if ops is None:
+            pytest.skip("no native kernels: the Python layer loop runs")
+        if dtype == "bfloat16" and not ops.has_packed_linear():
             pytest.skip("no packed bf16 products at this level: DecodeStep runs kernel by kernel")
+        if quantize == "none" and dtype == "float32" and not native.bf16_weights_wanted(ops):
+            pytest.skip("float32 products on F32PanelLinear only at the avx2 level")
+        if quantize != "none" and not ops.int8_linear_kind():
+            pytest.skip("no AVX2 quantized products in this build")
         assert model.decode_step.runs_as_team(rows)
         gen = torch.Generator().manual_seed(count)
         caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)

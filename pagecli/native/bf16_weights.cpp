@@ -105,18 +105,30 @@ F32PanelLinear::F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tens
 at::Tensor F32PanelLinear::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_ && x.scalar_type() == at::kFloat,
               "F32PanelLinear takes float32 x [..., ", K_, "]");
-  const at::Tensor x2 = x.reshape({-1, K_});
-  at::Tensor y;
-#if PAGECLI_PANEL_F32
-  const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-  y = panels_.scalar_type() == at::kBFloat16
-          ? panel_product_of(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_},
-                             x2, bp, N_, K_)
-          : panel_product_of(F32Panels{panels_.data_ptr<float>(), K_}, x2, bp, N_, K_);
-#endif
+  const at::Tensor x2 = x.reshape({-1, K_}).contiguous();
+  at::Tensor y = at::empty({x2.size(0), N_}, x2.options());
+  forward_into(x2, y);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);
+}
+
+bool F32PanelLinear::runs_into() const { return PAGECLI_PANEL_F32; }
+
+void F32PanelLinear::forward_into(const at::Tensor& x, at::Tensor& y) const {
+#if PAGECLI_PANEL_F32
+  const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t M = x.size(0);
+  if (panels_.scalar_type() == at::kBFloat16) {
+    panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_}, xp, bp, yp, M, N_, K_);
+  } else {
+    panel_product(F32Panels{panels_.data_ptr<float>(), K_}, xp, bp, yp, M, N_, K_);
+  }
+#else
+  PackedProduct::forward_into(x, y);
+#endif
 }
 
 at::Tensor F32PanelLinear::rows(const at::Tensor& ids) const {

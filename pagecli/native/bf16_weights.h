@@ -28,6 +28,10 @@ class F32PanelLinear : public PackedProduct {
   F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
   at::Tensor forward(const at::Tensor& x) const override;
+  // forward() into y, float32 x [M, K] and y [M, N] (DecodeStep's team: gemm_bf16.h's PackedProduct).
+  bool runs_into() const override;
+  at::ScalarType into_dtype() const override { return at::kFloat; }
+  void forward_into(const at::Tensor& x, at::Tensor& y) const override;
   // w[ids] [*ids.shape, K] float32, read back from the panels (exact): an embedding table shared
   // with the output layer is then kept only here.
   at::Tensor rows(const at::Tensor& ids) const;

@@ -39,8 +39,9 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
     }
   }
   team_ready_ = team && !packed_.empty();
-  for (const auto& layer : packed_) {
-    for (const auto& p : layer) team_ready_ = team_ready_ && p && p->runs_into();
+  if (team_ready_) team_dtype_ = packed_[0][0] ? packed_[0][0]->into_dtype() : at::kBFloat16;
+  for (const auto& layer : packed_) {  // every product into memory of one dtype: bf16, or float32 (avx2 level)
+    for (const auto& p : layer) team_ready_ = team_ready_ && p && p->runs_into() && p->into_dtype() == team_dtype_;
   }
   if (team_ready_) {  // forward_team sizes its buffers from these
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_, hidden = final_norm_.numel();
@@ -65,7 +66,7 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == h.size(0),
               "slots must be contiguous int64, one per row");
   const int64_t rows = h.size(0);
-  if (runs_as_team(rows) && h.scalar_type() == torch::kBFloat16) {
+  if (runs_as_team(rows) && h.scalar_type() == team_dtype_) {
     return forward_team(h, positions, kv_caches, block_tables, seq_lens, slots);
   }
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;

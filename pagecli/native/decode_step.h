@@ -42,7 +42,8 @@ class DecodeStep {
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                         torch::Tensor seq_lens, torch::Tensor slots) const;
 
-  // Whether forward() runs a step of `rows` bf16 rows as one team (forward_team below).
+  // Whether forward() runs a step of `rows` rows as one team (forward_team below), given h in the
+  // products' dtype (bf16 with the packed GEMM; float32 on F32PanelLinear and the AVX2 quantized products).
   bool runs_as_team(int64_t rows) const { return team_ready_ && rows <= kTeamRows; }
 
  private:
@@ -58,7 +59,8 @@ class DecodeStep {
                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                              const torch::Tensor& slots) const;
   static constexpr int64_t kTeamRows = 8;
-  bool team_ready_ = false;  // every layer packed, every product runs_into()
+  bool team_ready_ = false;  // every layer packed, every product runs_into() team_dtype_
+  at::ScalarType team_dtype_ = at::kBFloat16;  // the products' into_dtype(): bf16, or float32 at the avx2 level
 
   // cache slot slots[t] of [blocks, block_size, kv_heads, head_dim] = rows[t] (an index_copy_).
   void store_rows(const torch::Tensor& rows, torch::Tensor& cache, const torch::Tensor& slots) const;

@@ -81,10 +81,11 @@ class PackedProduct {
   // x [..., K] -> x @ w^T (+ bias) [..., N]
   virtual at::Tensor forward(const at::Tensor& x) const = 0;
   virtual int64_t out_features() const = 0;  // N
-  // Whether forward_into runs: y [M, N] = x [M, K] @ w^T (+ bias), both contiguous bf16 of those
-  // shapes (the caller checks), computed without allocating and through parallel_shared only, so a
-  // Team's members can run it together (work_share.h).
+  // Whether forward_into runs: y [M, N] = x [M, K] @ w^T (+ bias), both contiguous, of those shapes
+  // and in into_dtype() (the caller checks), computed without allocating a tensor and through
+  // parallel_shared only, so a Team's members can run it together (work_share.h).
   virtual bool runs_into() const { return false; }
+  virtual at::ScalarType into_dtype() const { return at::kBFloat16; }
   virtual void forward_into(const at::Tensor& x, at::Tensor& y) const;
 };
 

@@ -159,15 +159,6 @@ void panel_product(const Panels& w, const float* x, const float* bias, float* y,
   });
 }
 
-// panel_product for x [M, K] of any float dtype (rounded to fp32 first: float32 models pass it as it
-// is) -> y [M, N] in x's dtype.
-template <typename Panels>
-at::Tensor panel_product_of(const Panels& w, const at::Tensor& x, const float* bias, int64_t N, int64_t K) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({xf.size(0), N}, xf.options());
-  panel_product(w, xf.data_ptr<float>(), bias, y.data_ptr<float>(), xf.size(0), N, K);
-  return y.to(x.scalar_type());
-}
 #endif
 
 // fn(p, c, row) for every column 16 p + c < N of src [N, K] row-major (row: its K values), the panels

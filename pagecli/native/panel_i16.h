@@ -31,8 +31,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "panel_f32.h"
+#include "work_share.h"
 
 namespace pagecli {
 
@@ -42,10 +44,25 @@ constexpr int64_t kAct16Group = 32;  // the sums of xq: one per 32-group (the 4-
 inline int64_t act16_padded_k(int64_t K) { return (K + kAct16Block - 1) / kAct16Block * kAct16Block; }
 
 #if PAGECLI_PANEL_F32
-// xq [M, Kp] int16 (zero past K), d [M, Kp / 64] fp32, gsum [M, Kp / 32] fp32 (sum of xq per
-// 32-group, exact: at most 32 * 32767).
+// A batch's rows rounded: xq [M, Kp] int16 (zero past K), d [M, Kp / 64] fp32, gsum [M, Kp / 32] fp32
+// (sum of xq per 32-group, exact: at most 32 * 32767), in one piece of memory (rows16_bytes).
 struct Rows16 {
-  at::Tensor xq, d, gsum;
+  int16_t* xq;
+  float* d;
+  float* gsum;
+  int64_t Kp;
+
+  static int64_t bytes(int64_t M, int64_t K) {
+    const int64_t Kp = act16_padded_k(K);
+    return M * Kp * static_cast<int64_t>(sizeof(int16_t)) + M * (Kp / kAct16Block + Kp / kAct16Group) * 4;
+  }
+  // The rows of M x K activations laid out in `memory` (at least bytes(M, K), 4-byte aligned).
+  static Rows16 in(void* memory, int64_t M, int64_t K) {
+    const int64_t Kp = act16_padded_k(K);
+    int16_t* xq = static_cast<int16_t*>(memory);
+    float* d = reinterpret_cast<float*>(xq + M * Kp);
+    return {xq, d, d + M * (Kp / kAct16Block), Kp};
+  }
 };
 
 inline void round_block16(const float* x, int64_t n, int16_t* q, float* d, float* gsum) {
@@ -77,23 +94,17 @@ inline void round_block16(const float* x, int64_t n, int16_t* q, float* d, float
   gsum[1] = static_cast<float>(sums[1]);
 }
 
-// x [M, K] float32 contiguous -> its rows rounded as above.
-inline Rows16 round_rows16(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), Kp = act16_padded_k(K), blocks = Kp / kAct16Block;
-  Rows16 out{at::empty({M, Kp}, x.options().dtype(at::kShort)), at::empty({M, blocks}, x.options()),
-             at::empty({M, 2 * blocks}, x.options())};
-  const float* xp = x.data_ptr<float>();
-  int16_t* qp = out.xq.data_ptr<int16_t>();
-  float* dp = out.d.data_ptr<float>();
-  float* sp = out.gsum.data_ptr<float>();
-  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+// x [M, K] float32, rows K apart -> its rows rounded as above into `out`, the blocks shared out among
+// the threads (a Team's members inside one: work_share.h).
+inline void round_rows16(const float* x, int64_t M, int64_t K, const Rows16& out) {
+  const int64_t Kp = out.Kp, blocks = Kp / kAct16Block;
+  parallel_shared(M * blocks, [&](SharedWork::Cursor& cursor) {
+    for (int64_t i; (i = cursor.next()) >= 0;) {
       const int64_t m = i / blocks, b = i % blocks;
-      round_block16(xp + m * K + b * kAct16Block, std::min(kAct16Block, K - b * kAct16Block), qp + m * Kp + b * kAct16Block,
-                    dp + i, sp + 2 * i);
+      round_block16(x + m * K + b * kAct16Block, std::min(kAct16Block, K - b * kAct16Block),
+                    out.xq + m * Kp + b * kAct16Block, out.d + i, out.gsum + 2 * i);
     }
-  });
-  return out;
+  }, 64);
 }
 
 namespace panel_i16 {
@@ -153,31 +164,30 @@ void tile_kernel(const Pairs& w, const Tile& t) {
 
 }  // namespace panel_i16
 
-// x [M, K] of any float dtype times the panels of `w` (+ bias [N] fp32) -> y [M, N] in x's dtype.
+// x [M, K] float32 (rows K apart) times the panels of `w` (+ bias [N] fp32) -> y [M, N] float32,
+// without a tensor allocated: the rounded rows go to the team's shared scratch inside a Team
+// (DecodeStep's forward_team), else to memory of this call's own.
 template <typename Pairs>
-at::Tensor panel_product16(const Pairs& w, const at::Tensor& x, const float* bias, int64_t N) {
+void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, const float* bias, float* y, int64_t N) {
   using namespace panel_i16;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0);
-  auto y = at::empty({M, N}, xf.options());
-  if (M == 0) return y.to(x.scalar_type());
-  const Rows16 rows = round_rows16(xf);
-  const int64_t Kp = rows.xq.size(1);
-  const int16_t* qp = rows.xq.data_ptr<int16_t>();
-  const float* dp = rows.d.data_ptr<float>();
-  const float* sp = rows.gsum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  if (M == 0) return;
+  const int64_t bytes = Rows16::bytes(M, K);
+  const TeamSeat& seat = team_seat();
+  std::vector<unsigned char> own;
+  void* memory = seat.team ? seat.team->shared_scratch(bytes, seat.rank) : (own.resize(bytes), own.data());
+  const Rows16 rows = Rows16::in(memory, M, K);
+  round_rows16(x, M, K, rows);
+  const int64_t Kp = rows.Kp;
   for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
     const int64_t c0 = panel * kPanelF32Cols;
-    const Tile t{panel, qp + m0 * Kp, dp + m0 * (Kp / kAct16Block), sp + m0 * (Kp / kAct16Group),
-                 bias ? bias + c0 : nullptr, yp + m0 * N + c0, Kp, N, cols};
+    const Tile t{panel, rows.xq + m0 * Kp, rows.d + m0 * (Kp / kAct16Block), rows.gsum + m0 * (Kp / kAct16Group),
+                 bias ? bias + c0 : nullptr, y + m0 * N + c0, Kp, N, cols};
     if (P == 2) {
       with_tile_rows<2>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
     } else {
       with_tile_rows<1>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
     }
   });
-  return y.to(x.scalar_type());
 }
 #endif
 

@@ -249,22 +249,36 @@ PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale,
 at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_, "PackedLinearInt4 takes x [..., ", K_, "]");
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
-  const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
 #if PAGECLI_INT4_VNNI
-  if (vnni_) y = product_avx512(x2, weights_, bp, N_);
+  if (vnni_) y = product_avx512(x2, weights_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_);
 #endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) {
-    y = panel_product16(Int4Pairs{weights_.data_ptr<uint8_t>(),
-                                  reinterpret_cast<const uint16_t*>(scale_min_.data_ptr<at::Half>()), weights_.size(1),
-                                  scale_min_.size(1)},
-                        x2, bp, N_);
+    const at::Tensor xf = x2.to(at::kFloat).contiguous();
+    y = at::empty({xf.size(0), N_}, xf.options());
+    forward_into(xf, y);
+    y = y.to(x.scalar_type());
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);
+}
+
+bool PackedLinearInt4::runs_into() const { return PAGECLI_INT4_AVX2 && !vnni_; }
+
+void PackedLinearInt4::forward_into(const at::Tensor& x, at::Tensor& y) const {
+#if PAGECLI_INT4_AVX2
+  if (!vnni_) {
+    const Int4Pairs w{weights_.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_min_.data_ptr<at::Half>()),
+                      weights_.size(1), scale_min_.size(1)};
+    panel_product16_into(w, x.data_ptr<float>(), x.size(0), K_, bias_.defined() ? bias_.data_ptr<float>() : nullptr,
+                         y.data_ptr<float>(), N_);
+    return;
+  }
+#endif
+  PackedProduct::forward_into(x, y);
 }
 
 at::Tensor PackedLinearInt4::scales() const {

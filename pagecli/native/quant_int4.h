@@ -37,6 +37,10 @@ class PackedLinearInt4 : public PackedProduct {
 
   // x [..., K] (float32, bf16 or fp16) -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const override;
+  // The AVX2 kernel into y, float32 x [M, K] and y [M, N] (DecodeStep's team: gemm_bf16.h's PackedProduct).
+  bool runs_into() const override;
+  at::ScalarType into_dtype() const override { return at::kFloat; }
+  void forward_into(const at::Tensor& x, at::Tensor& y) const override;
 
   const at::Tensor& weights() const { return weights_; }  // the packed blocks (uint8)
   // AVX2: the (scale, min) pairs kept beside the rows; AVX512-VNNI: empty (inside the blocks).

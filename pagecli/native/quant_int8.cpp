@@ -244,24 +244,46 @@ PackedLinearInt8::PackedLinearInt8(const at::Tensor& q, const at::Tensor& scale,
 at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_, "PackedLinearInt8 takes x [..., ", K_, "]");
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
-  const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   at::Tensor y;
 #if PAGECLI_INT8_VNNI
   if (vnni_) {
+    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
     y = product_avx512(x2, weights_, reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>()), bp, N_, K_);
   }
 #endif
 #if PAGECLI_INT8_AVX2
   if (!vnni_) {
-    const uint16_t* sp = static_cast<const uint16_t*>(scale_.data_ptr());
-    const int8_t* wp = weights_.data_ptr<int8_t>();
-    y = q8_0_ ? panel_product16(Int8Pairs<kQ8Block, true>{wp, sp, weights_.size(1), scale_.size(1)}, x2, bp, N_)
-              : panel_product16(Int8Pairs<kActBlock, false>{wp, sp, weights_.size(1), scale_.size(1)}, x2, bp, N_);
+    const at::Tensor xf = x2.to(at::kFloat).contiguous();
+    y = at::empty({xf.size(0), N_}, xf.options());
+    forward_into(xf, y);
+    y = y.to(x.scalar_type());
   }
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);
+}
+
+bool PackedLinearInt8::runs_into() const { return PAGECLI_INT8_AVX2 && !vnni_; }
+
+void PackedLinearInt8::forward_into(const at::Tensor& x, at::Tensor& y) const {
+#if PAGECLI_INT8_AVX2
+  if (!vnni_) {
+    const uint16_t* sp = static_cast<const uint16_t*>(scale_.data_ptr());
+    const int8_t* wp = weights_.data_ptr<int8_t>();
+    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t M = x.size(0);
+    if (q8_0_) {
+      panel_product16_into(Int8Pairs<kQ8Block, true>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_);
+    } else {
+      panel_product16_into(Int8Pairs<kActBlock, false>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_);
+    }
+    return;
+  }
+#endif
+  PackedProduct::forward_into(x, y);
 }
 
 const char* PackedLinearInt8::kind() const { return vnni_ ? "avx512_vnni" : "avx2"; }

@@ -121,9 +121,20 @@ class Team {
     barrier();
   }
 
+  // Memory the members share for one kernel (the rows it rounds before its products): every member
+  // calls it with the same size, rank 0 grows it, and all get the same pointer after a barrier. It
+  // stays valid until the next call (a kernel's share() ends with a barrier, so no member still
+  // reads the last kernel's).
+  void* shared_scratch(int64_t bytes, int64_t rank) {
+    if (rank == 0 && static_cast<int64_t>(scratch_.size()) < bytes) scratch_.resize(bytes);
+    barrier();
+    return scratch_.data();
+  }
+
   struct Aborted {};  // thrown by barrier() in the members that did not fail
 
  private:
+  std::vector<unsigned char> scratch_;
   const int64_t size_;
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
