@@ -207,3 +207,15 @@ def test_the_embedded_model_runs_on_its_own_q4_1_weights(smollm2_dir):
         assert sum(n == 24 for n in agreeing["bfloat16"]) >= 1 and sum(agreeing["bfloat16"]) >= 30, agreeing
     else:
         assert sum(n == 24 for n in agreeing["bfloat16"]) >= 4, agreeing
+
+
+def test_every_shipped_profile_leaves_quantize_to_auto():
+    """The CLI reads profiles/default.toml when no profile is named: a `quantize = "none"` there kept
+    every run on the converted floats whatever EngineConfig's default said."""
+    from pagecli.config.profiles import available_profiles, load_profile
+
+    profiles = available_profiles()
+    assert {p.stem for p in profiles} >= {"default", "cpu-small"}
+    for path in profiles:
+        assert load_profile(str(path)).engine_config().quantize == "auto", path.name
+    assert load_profile().engine_config().quantize == "auto"

@@ -74,7 +74,7 @@ def test_the_command_prints_perplexity_over_the_shipped_text(tiny_model_factory)
     result = CliRunner().invoke(app, ["bench", "perplexity", str(TEXT), "-m", str(folder), "--ctx", "128",
                                       "--no-disk-cache", "--dtype", "float32"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    match = re.search(r"perplexity (\d+\.\d+) \+/- \d+\.\d+ .*quantize none, kv float32, (\d+) windows of 128 tokens", result.output)
+    match = re.search(r"perplexity (\d+\.\d+) \+/- \d+\.\d+ .*quantize none \(auto\), kv float32, (\d+) windows of 128 tokens", result.output)
     assert match and float(match.group(1)) > 1 and int(match.group(2)) >= 1, result.output
     assert "[1/" in result.output  # progress, one line a window
 

@@ -592,7 +592,7 @@ class Engine:
             slots_unused=sum(len(s.block_table) * self.pool.block_size - s.num_computed_tokens
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
-            kv_dtype=self.kv_format.name,
+            kv_dtype=self.kv_format.name, quantize=self.quantize,
         )
 
 

@@ -45,6 +45,7 @@ class EngineStats:
     slots_unused: int = 0  # slots of running sequences' blocks that hold no token yet: internal fragmentation
     block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
     kv_dtype: str = ""  # the KV cache's format (--kv-dtype resolved: the model's dtype, or int8/fp8/...)
+    quantize: str = "none"  # the decoder weights' form (--quantize resolved: none, int8, int4, gguf)
 
     @property
     def kv_bytes_used(self) -> int:
