@@ -105,9 +105,7 @@ F32PanelLinear::F32PanelLinear(const at::Tensor& w, const c10::optional<at::Tens
 at::Tensor F32PanelLinear::forward(const at::Tensor& x) const {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K_ && x.scalar_type() == at::kFloat,
               "F32PanelLinear takes float32 x [..., ", K_, "]");
-  const at::Tensor x2 = x.reshape({-1, K_}).contiguous();
-  at::Tensor y = at::empty({x2.size(0), N_}, x2.options());
-  forward_into(x2, y);
+  const at::Tensor y = forward_via_into(x.reshape({-1, K_}));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
   return y.view(shape);

@@ -327,6 +327,13 @@ void PackedProduct::forward_into(const at::Tensor&, at::Tensor&) const {
   TORCH_CHECK(false, "this product has no forward_into (runs_into() is false)");
 }
 
+at::Tensor PackedProduct::forward_via_into(const at::Tensor& x2) const {
+  const at::Tensor xi = x2.to(into_dtype()).contiguous();
+  at::Tensor y = at::empty({xi.size(0), out_features()}, xi.options());
+  forward_into(xi, y);
+  return y.to(x2.scalar_type());
+}
+
 bool PackedLinear::runs_into() const { return PAGECLI_HAVE_PACKED_GEMM; }
 
 void PackedLinear::forward_into(const at::Tensor& x, at::Tensor& y) const {

@@ -87,6 +87,11 @@ class PackedProduct {
   virtual bool runs_into() const { return false; }
   virtual at::ScalarType into_dtype() const { return at::kBFloat16; }
   virtual void forward_into(const at::Tensor& x, at::Tensor& y) const;
+
+ protected:
+  // forward() of a product whose forward_into runs: x2 [M, K] (any float dtype, converted to
+  // into_dtype() where it differs) -> y [M, N] in x2's dtype.
+  at::Tensor forward_via_into(const at::Tensor& x2) const;
 };
 
 // One bf16 weight [N, K] (and bias) packed once at load: the engine's form of a Linear on levels

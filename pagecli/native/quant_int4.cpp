@@ -254,12 +254,7 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   if (vnni_) y = product_avx512(x2, weights_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_);
 #endif
 #if PAGECLI_INT4_AVX2
-  if (!vnni_) {
-    const at::Tensor xf = x2.to(at::kFloat).contiguous();
-    y = at::empty({xf.size(0), N_}, xf.options());
-    forward_into(xf, y);
-    y = y.to(x.scalar_type());
-  }
+  if (!vnni_) y = forward_via_into(x2);
 #endif
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N_;
