@@ -40,6 +40,8 @@ FLAG_CASES = {
     "top_k": (["--top-k", "7"], 7),
     "min_p": (["--min-p", "0.1"], 0.1),
     "repetition_penalty": (["--repetition-penalty", "1.3"], 1.3),
+    "presence_penalty": (["--presence-penalty", "0.5"], 0.5),
+    "frequency_penalty": (["--frequency-penalty", "-0.25"], -0.25),
     "seed": (["--seed", "11"], 11),
     "stop": (["--stop", "END", "--stop", "STOP"], ("END", "STOP")),
     "ignore_eos": (["--ignore-eos"], True),

@@ -45,7 +45,8 @@ def test_the_sampler_takes_the_kernel_for_plain_greedy_rows(ops):
         calls.append(logits.shape)
         return ops.greedy_tokens(logits)
 
-    seqs = [SimpleNamespace(sampling=SamplingParams(temperature=0), grammar=None, generator=None) for _ in range(3)]
+    seqs = [SimpleNamespace(sampling=SamplingParams(temperature=0), grammar=None, rng=None) for _ in range(3)]
     logits = torch.randn(3, 300).bfloat16()
-    assert sample(logits, seqs, kernel) == sample(logits, seqs) == logits.max(dim=-1).indices.tolist()
+    kernels = SimpleNamespace(greedy_tokens=kernel, sample_rows=ops.sample_rows)
+    assert sample(logits, seqs, kernels) == sample(logits, seqs) == logits.max(dim=-1).indices.tolist()
     assert calls == [torch.Size([3, 300])]

@@ -2,40 +2,40 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import random
 
 import pytest
 import torch
 
 from pagecli.config import SamplingParams
-from pagecli.engine import sampler
 from pagecli.engine.detokenizer import IncrementalDetokenizer
-from pagecli.engine.sampler import apply_repetition_penalty, draw, draw_rows, filtered_probs, skip_draw
+from pagecli.engine.sampler import apply_repetition_penalty, draw_rows, kept_weights
 from pagecli.errors import PagecliError
 
 
+def kept(logits: list[float], params: SamplingParams) -> list[bool]:
+    return (kept_weights(torch.tensor([logits]), [params])[0] > 0).tolist()
+
+
 def test_top_k_keeps_only_the_k_most_likely():
-    probs = filtered_probs(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(temperature=1.0, top_k=2))
-    assert (probs > 0).tolist() == [False, True, True, False]
-    assert probs.sum().item() == pytest.approx(1.0)
+    assert kept([1.0, 4.0, 3.0, 2.0], SamplingParams(temperature=1.0, top_k=2)) == [False, True, True, False]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
-    assert (probs > 0).tolist() == [True, True, False, False]
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).tolist()
+    assert kept(logits, SamplingParams(temperature=1.0, top_p=0.7)) == [True, True, False, False]
 
 
 def test_min_p_drops_tokens_below_a_share_of_the_best():
-    logits = torch.log(torch.tensor([0.6, 0.3, 0.06, 0.04]))
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
-    assert (probs > 0).tolist() == [True, True, False, False]
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.06, 0.04])).tolist()
+    assert kept(logits, SamplingParams(temperature=1.0, min_p=0.2)) == [True, True, False, False]
 
 
 def test_a_draw_follows_the_distribution_and_never_picks_a_token_of_probability_zero():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(20000)]), minlength=5)
+    rng = random.Random(0)
+    tokens = draw_rows(probs.expand(20000, -1), [rng.random() for _ in range(20000)])
+    counts = torch.bincount(torch.tensor(tokens), minlength=5)
     assert counts[1] == 0 and counts[4] == 0
     torch.testing.assert_close(counts.double() / 20000, probs.double(), atol=0.012, rtol=0)
 
@@ -47,26 +47,16 @@ def test_rows_drawn_together_get_what_each_gets_alone():
     logits = torch.randn(48, 1000, generator=gen) * torch.tensor([0.1, 3.0, 30.0]).repeat(16)[:, None]
     logits[::5, 500:] = float("-inf")
     probs = logits.softmax(dim=-1)
-    together = draw_rows(probs, [torch.Generator().manual_seed(i) for i in range(48)])
-    alone = [draw(probs[i], torch.Generator().manual_seed(i)) for i in range(48)]
+    uniforms = [random.Random(i).random() for i in range(48)]
+    together = draw_rows(probs, uniforms)
+    alone = [draw_rows(probs[i : i + 1], [uniforms[i]])[0] for i in range(48)]
     assert together == alone
     assert all(probs[i, token] > 0 for i, token in enumerate(together))
 
 
-def test_a_draw_past_the_last_cumulative_probability_takes_the_last_possible_token(monkeypatch):
+def test_a_draw_past_the_last_cumulative_probability_takes_the_last_possible_token():
     # u * total can round up to the total; no cumulative probability is then above it.
-    monkeypatch.setattr(sampler.torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
-    assert draw(torch.tensor([0.25, 0.75, 0.0, 0.0]), None) == 1
-
-
-def test_skipping_a_draw_moves_the_stream_as_a_draw_does():
-    # A forced token (structured output) skips its draw; the sequence's later draws must be those of
-    # step-by-step decoding, whatever the probabilities of the draw that was skipped.
-    probs = torch.tensor([0.2, 0.5, 0.3])
-    drawn, skipped = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    draw(torch.tensor([0.0, 1.0, 0.0]), drawn)
-    skip_draw(SimpleNamespace(generator=skipped))
-    assert [draw(probs, drawn) for _ in range(50)] == [draw(probs, skipped) for _ in range(50)]
+    assert draw_rows(torch.tensor([[0.25, 0.75, 0.0, 0.0]]), [1.0]) == [1]
 
 
 def test_repetition_penalty_lowers_seen_tokens_both_signs():

@@ -25,14 +25,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("/stats", "engine and block-pool statistics"),
     "pool": ("/pool", "show or hide the block-pool panel"),
     "set": ("/set key=value ...", "sampling: temperature, top_p, top_k, min_p, max_tokens, seed, "
-            "repetition_penalty (no argument: show them)"),
+            "repetition_penalty, presence_penalty, frequency_penalty (no argument: show them)"),
     "format": ("/format [json | SCHEMA_FILE | off]", "replies as any JSON object, as the JSON schema in a file "
                "says, or free text again (no argument: show)"),
     "exit": ("/exit", "leave (also /quit, Ctrl-D)"),
 }
 _ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help"}
 SETTABLE: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                             "max_tokens": int, "seed": int, "repetition_penalty": float}
+                             "max_tokens": int, "seed": int, "repetition_penalty": float,
+                             "presence_penalty": float, "frequency_penalty": float}
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,17 @@ from pagecli.cli.line_tools import tools_of_line
 from pagecli.models.messages import Conversation, read_messages
 from pagecli.models.tools import ToolRequest
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "seed", "stop")
 _OPENAI_KEY_ALIASES = {"max_completion_tokens": "max_tokens"}
 BEAM_KEYS = ("beam_width", "length_penalty", "early_stopping")  # generate only (engine/beam.py)
 _NUMERIC_KEYS = {"beam_width": int, "length_penalty": float,
                  "max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
-                 "repetition_penalty": float, "n": int}
+                 "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "n": int}
 # Fields pagecli does not implement, with the values that ask for nothing: any other value is the
 # line's error, never silently dropped (an answer without the logprobs asked for looks like a bug).
 _UNSUPPORTED_KEYS = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
+                     "echo": (None, False), "suffix": (None, ""),
                      "functions": (None, [])}  # OpenAI's old name for `tools`
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 _BOM = b"\xef\xbb\xbf"
@@ -172,6 +174,8 @@ def sampling_with(base: SamplingParams, overrides: dict[str, Any]) -> SamplingPa
             if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
                 raise RequestError("'stop' must be a string or a list of non-empty strings")
             value = tuple(value)
+        elif key == "logit_bias" and not isinstance(value, dict):
+            raise RequestError("'logit_bias' must be an object mapping token ids to biases")
         values[key] = value
     try:
         return SamplingParams(**values)

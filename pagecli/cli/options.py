@@ -109,6 +109,12 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
     Flag("min_p", "min_p", Optional[float], _opt("--min-p", help="0 = off.", panel=SAMPLING, metavar="P")),
     Flag("repetition_penalty", "repetition_penalty", Optional[float], _opt(
         "--repetition-penalty", help="1 = off.", panel=SAMPLING, metavar="X")),
+    Flag("presence_penalty", "presence_penalty", Optional[float], _opt(
+        "--presence-penalty", help="Subtracted from generated tokens' logits, once; -2 to 2, 0 = off.",
+        panel=SAMPLING, metavar="X")),
+    Flag("frequency_penalty", "frequency_penalty", Optional[float], _opt(
+        "--frequency-penalty", help="Subtracted from generated tokens' logits per occurrence; -2 to 2, 0 = off.",
+        panel=SAMPLING, metavar="X")),
     Flag("seed", "seed", Optional[int], _opt("--seed", help="Same seed, same output.", panel=SAMPLING, metavar="N")),
     Flag("stop", "stop", Optional[list[str]], _opt(
         "--stop", help="Stop string (repeatable).", panel=SAMPLING, metavar="TEXT"),

@@ -141,6 +141,9 @@ def _check_table(table: Any, cls: type, section: str, path: Path) -> dict[str, A
         if cls is SamplingParams and key == "structured":
             checked[key] = _schema_file(value, path)
             continue
+        if cls is SamplingParams and key == "logit_bias" and isinstance(value, dict):
+            checked[key] = value  # {"token id" = bias}: SamplingParams checks it
+            continue
         checked[key] = _coerce(value, hints[key], f"{section}.{key}", path)
     return checked
 

@@ -36,6 +36,20 @@ def _require(condition: bool, message: str) -> None:
         raise PagecliError(message)
 
 
+def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
+    """A logit_bias object ({"token id": bias}, keys as JSON writes them) as sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise PagecliError(f"logit_bias keys must be token ids (got {key!r}).") from None
+        _require(not isinstance(value, bool) and isinstance(value, (int, float)),
+                 f"logit_bias values must be numbers (got {value!r} for token {key}).")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
 def _require_finite_numbers(settings: object) -> None:
     """inf and nan pass every comparison a range check makes (or fail it with a misleading message)."""
     for f in fields(settings):  # type: ignore[arg-type]
@@ -108,6 +122,12 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from the logits of tokens generated so far, once (presence) and per occurrence
+    # (frequency), each in [-2, 2]; logit_bias adds a value in [-100, 100] to a token's logit. The order of
+    # every filter: engine/sampler.py.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is taken too
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -130,12 +150,22 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _require_finite_numbers(self)
         _require(self.temperature >= 0, f"temperature must be 0 or more (got {self.temperature}).")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}).")
         _require(self.top_k >= 0, f"top_k must be 0 (off) or more (got {self.top_k}).")
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}).")
         _require(self.repetition_penalty > 0, f"repetition_penalty must be positive (got {self.repetition_penalty}).")
+        _require(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2] (got {self.presence_penalty}).")
+        _require(-2 <= self.frequency_penalty <= 2,
+                 f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty}).")
+        _require(isinstance(self.logit_bias, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 0
+            and isinstance(pair[1], (int, float)) and math.isfinite(pair[1]) and -100 <= pair[1] <= 100
+            for pair in self.logit_bias),
+            "logit_bias must map token ids (0 or more) to biases in [-100, 100].")
         _require(self.max_tokens >= 1, f"max_tokens must be at least 1 (got {self.max_tokens}).")
         _require(self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
                  f"seed must fit in 64 bits (got {self.seed}).")
@@ -163,6 +193,8 @@ class SamplingParams:
         _require(not self.stop, "stop strings are not supported with beam search; leave 'stop' out "
                                 "(beams end at the model's end-of-sequence tokens or at max_tokens).")
         _require(self.repetition_penalty == 1.0, "repetition_penalty is not supported with beam search; leave it at 1.")
+        _require(self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and not self.logit_bias,
+                 "presence_penalty, frequency_penalty and logit_bias are not supported with beam search; leave them out.")
 
     @property
     def greedy(self) -> bool:

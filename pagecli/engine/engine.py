@@ -35,7 +35,7 @@ from pagecli.engine.heap import keep_freed_activations, return_freed_load_memory
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
 from pagecli.engine.pool_sizing import pool_num_blocks
-from pagecli.engine.sampler import make_generator, sample, skip_draw
+from pagecli.engine.sampler import make_random, sample, skip_draw
 from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
 from pagecli.engine.stats import EngineStats
@@ -124,7 +124,7 @@ class Engine:
         spec = loaded.spec
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
         # The greedy token of each row by the CPU kernels (the logits come to the CPU either way).
-        self._greedy_tokens = cpu_ops.greedy_tokens if cpu_ops is not None else None
+        self._sampling_ops = cpu_ops  # the greedy and sampling kernels (None: tensor operations)
         if cpu_ops is not None:
             loaded.model.use_cpu_ops(cpu_ops, quantize=self.quantize)
         else:
@@ -349,11 +349,15 @@ class Engine:
                 f"The prompt has {len(token_ids)} tokens; this engine holds at most {self.max_model_len} "
                 "per sequence (max_model_len or the KV pool). Shorten it or raise max_model_len/kv_budget_gib."
             )
+        vocab = self.loaded.spec.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise RequestError(f"logit_bias names a token id past this model's vocabulary ({vocab} tokens: ids 0 to "
+                               f"{vocab - 1}).")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise PagecliError(f"Request id '{request_id}' is already in use.")
         seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
-        seq.generator = make_generator(sampling)
+        seq.rng = make_random(sampling)
         if sampling.beam_search:
             self.beams.start(seq)  # RequestError if this engine cannot hold the beams
         if sampling.structured is not None:
@@ -398,7 +402,7 @@ class Engine:
         sampled, logits, ended = self.beams.take_rows(sampled, logits)
         events = [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
-        for seq, token_id in zip(sampled, sample(logits, sampled, self._greedy_tokens)):
+        for seq, token_id in zip(sampled, sample(logits, sampled, self._sampling_ops)):
             events.append(self._on_token(seq, token_id))
             if seq.grammar is not None and len(self.scheduler.running) == 1:
                 events.extend(self._forced_tokens(seq))
@@ -432,7 +436,7 @@ class Engine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Candidates 1..n-1 of parent's request: they share its blocks and run right after it."""
         parent.forked = True
-        candidates = [parent.fork(i, make_generator(parent.sampling, i)) for i in range(1, parent.sampling.n)]
+        candidates = [parent.fork(i, make_random(parent.sampling, i)) for i in range(1, parent.sampling.n)]
         for candidate in candidates:
             self.kv.share_blocks(parent, candidate)
             if parent.grammar is not None:

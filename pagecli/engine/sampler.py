@@ -1,113 +1,229 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty, and the
-grammar's mask for constrained rows (engine/structured.py; rows without a grammar pay nothing).
+"""Choosing the next token of every sampled row of a step at once, from its logits.
 
-Each sampled sequence draws from its own torch.Generator, so the same seed gives the same
-output whatever else shares the batch; the candidates of an n > 1 request each have their own.
+The filters, in this order (each keeps a set of tokens; the drawn token's probability is its weight,
+renormalised over what every filter kept; the drawn distribution is exactly that one):
+
+1. penalties on the logits: `repetition_penalty` (CTRL's: every token seen so far, prompt included, has
+   a positive logit divided by it and a negative one multiplied), `presence_penalty` and
+   `frequency_penalty` (OpenAI's: subtracted from the logit of each token generated so far, once and
+   once per occurrence), `logit_bias` (added to the named tokens' logits);
+2. the grammar's mask (structured output): the tokens it forbids get -inf;
+3. temperature: weights e = exp((logit - top logit) / temperature); temperature 0 is greedy, the first
+   token of the largest logit after 1 and 2;
+4. top_k: the k heaviest tokens (all of those tied with the k-th);
+5. top_p: of those, the tokens whose heavier tokens hold less than top_p of the kept weight (the
+   smallest set that reaches top_p, all of those tied at its edge);
+6. min_p: of those, the tokens of weight at least min_p times the top token's.
+
+Logits on the CPU with pagecli's kernels go to `sample_rows` (native/sampling.cpp: no sort of the
+vocabulary; top-p by rejection against pivots); elsewhere (a GPU, or no kernels) `sample_rows_torch`
+keeps the same sets with tensor operations on the logits' device. Each sampled sequence has its own
+random stream (`RandomStream`): the same seed gives the same tokens whatever else shares the batch; the
+candidates of an n > 1 request each have their own. The CPU kernel and the tensor path may draw
+different tokens from the same seed (the kernel can take several uniform numbers for one token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import secrets
+from collections import Counter
+from collections.abc import Sequence as SequenceOf
+from typing import Any
 
 import torch
 
 from pagecli.config.settings import SamplingParams
 from pagecli.engine.sequence import Sequence
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
-def make_generator(sampling: SamplingParams, candidate_index: int = 0) -> torch.Generator | None:
+
+class RandomStream:
+    """A sequence's random numbers: word i is splitmix64 of (seed + i * golden ratio); cheap, seeded, and
+    the same on every machine. The CPU kernel derives a row's uniform numbers from its word."""
+
+    __slots__ = ("seed", "drawn")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed & _MASK64
+        self.drawn = 0
+
+    def next_word(self) -> int:
+        self.drawn += 1
+        z = (self.seed + self.drawn * _GOLDEN) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+
+def uniform_of(word: int) -> float:
+    """The uniform number in [0, 1) that a random word stands for (its top 53 bits)."""
+    return (word >> 11) * 2.0**-53
+
+
+def make_random(sampling: SamplingParams, candidate_index: int = 0) -> RandomStream | None:
     """The random stream of one sequence; candidate i of an n > 1 request seeds it with seed + i."""
     if sampling.greedy:
         return None
-    generator = torch.Generator()
     seed = sampling.candidate_seed(candidate_index)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+    return RandomStream(secrets.randbits(64) if seed is None else seed)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           greedy_tokens: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
-    """logits: [num_seqs, vocab] (any dtype, any device); returns one token id per sequence.
-    greedy_tokens: the CPU kernels' argmax of each row (pagecli.native), else torch's."""
-    logits = logits.cpu()
-    # Plain greedy rows (the common case of a batch) take one argmax for all of them. max() gives
-    # the same index (the first of equal maxima) and is about 4x faster than argmax() on bfloat16;
-    # the native kernel gives that index again, in a few us where max() takes 50-180.
+def skip_draw(seq: Sequence) -> None:
+    """Move a sampled sequence's random stream as `sample` does for one token (one word per token), for a
+    token appended without sampling (engine/structured.py's forced tokens): its later draws stay those
+    of step-by-step decoding."""
+    if seq.rng is not None:
+        seq.rng.next_word()
+
+
+def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) -> list[int]:
+    """logits: [num_seqs, vocab] (any dtype, any device); one token id per sequence. ops: pagecli's CPU
+    kernels (pagecli.native), which take CPU rows; without them, tensor operations on the logits' device."""
     constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-    wanted = constrained or any(_plain_greedy(seq.sampling) for seq in seqs)
+    if constrained:
+        logits = logits.cpu()  # the grammar's masks are built on the CPU
+    penalised = [row for row, seq in enumerate(seqs) if _penalised(seq.sampling)]
+    if penalised:
+        logits = logits.float().clone()  # [num_seqs, vocab]
+        for row in penalised:
+            apply_penalties(logits[row], seqs[row])
+    chosen = _greedy_choices(logits, seqs, constrained, ops)
+    sampled = [row for row, seq in enumerate(seqs) if not seq.sampling.greedy]
+    if sampled:
+        rows = logits if len(sampled) == len(seqs) else logits[torch.tensor(sampled, device=logits.device)]
+        params = [seqs[row].sampling for row in sampled]
+        words = [seqs[row].rng.next_word() for row in sampled]
+        if ops is not None and rows.device.type == "cpu":
+            drawn = ops.sample_rows(rows, [p.temperature for p in params], [p.top_k for p in params],
+                                    [p.top_p for p in params], [p.min_p for p in params], words)
+        else:
+            drawn = sample_rows_torch(rows, params, [uniform_of(w) for w in words])
+        for row, token in zip(sampled, drawn):
+            chosen[row] = token if token >= 0 else int(logits[row].float().max(dim=-1).indices)
+    return chosen
+
+
+def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: Any) -> list[int]:
+    """The greedy rows' tokens (every row's argmax, taken once for the batch), after their grammar masks;
+    masks the sampled rows' logits in place too. Sampled rows get a placeholder."""
+    wanted = constrained or any(seq.sampling.greedy for seq in seqs)
     if not wanted:
-        chosen = [0] * len(seqs)
-    elif greedy_tokens is not None:
-        chosen = greedy_tokens(logits)
-    else:
-        chosen = logits.max(dim=-1).indices.tolist()
+        return [0] * len(seqs)
+    # The native kernel gives torch.max's index (the first of equal maxima) in a few us where max()
+    # takes 50-180; max() is about 4x faster than argmax() on bfloat16.
+    chosen = ops.greedy_tokens(logits) if ops is not None and logits.device.type == "cpu" else \
+        logits.max(dim=-1).indices.tolist()
     if constrained:
         from pagecli.engine.structured import apply_grammar_masks
 
-        # A plain greedy row whose argmax its grammar allows keeps it: only the others are masked.
-        greedy = [chosen[row] if _plain_greedy(seqs[row].sampling) else None for row in constrained]
+        # A greedy row whose argmax its grammar allows keeps it: only the others are masked.
+        greedy = [chosen[row] if seqs[row].sampling.greedy else None for row in constrained]
         masked = apply_grammar_masks(logits, constrained, [seqs[row].grammar for row in constrained], greedy)
         if masked:
             again = logits[torch.tensor(masked, dtype=torch.long)].max(dim=-1).indices.tolist()
             for row, token in zip(masked, again):
                 chosen[row] = token
-    by_temperature: dict[float, list[int]] = {}  # rows whose only reshaping is a temperature
-    for row, seq in enumerate(seqs):
-        params = seq.sampling
-        if _plain_greedy(params):
-            continue
-        if _temperature_only(params):
-            by_temperature.setdefault(params.temperature, []).append(row)
-            continue
-        row_logits = logits[row].float()
-        if params.repetition_penalty != 1.0:
-            row_logits = apply_repetition_penalty(row_logits, seq.token_ids, params.repetition_penalty)
-        if params.greedy:
-            chosen[row] = int(row_logits.argmax())
-        else:
-            chosen[row] = draw(filtered_probs(row_logits, params), seq.generator)
-    for temperature, rows in by_temperature.items():
-        # A softmax and a draw for 16 rows at a time (row by row, a 128-row step spent 20 of its 200 ms
-        # here; the whole step at once allocates 25 MB of temporaries, which can fault in afresh at every
-        # step). What a row gets is what it would get alone: the same arithmetic on each row.
-        for first in range(0, len(rows), _ROWS_AT_ONCE):
-            block = rows[first : first + _ROWS_AT_ONCE]
-            scaled = logits[torch.tensor(block)].float()
-            if temperature != 1.0:
-                scaled.div_(temperature)
-            probs = scaled.nan_to_num_(nan=float("-inf")).softmax(dim=-1)
-            for row, token in zip(block, draw_rows(probs, [seqs[row].generator for row in block])):
-                chosen[row] = token
     return chosen
 
 
-_ROWS_AT_ONCE = 16
+def _penalised(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or bool(params.logit_bias))
 
 
-def _temperature_only(params: SamplingParams) -> bool:
-    """Sampled with no filter but a temperature (the common sampled case), so rows batch."""
-    return (not params.greedy and params.repetition_penalty == 1.0 and params.top_k == 0 and params.top_p == 1.0
-            and params.min_p == 0.0)
+def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    """Filter 1 on one row of float32 logits [vocab], in place: repetition, presence and frequency
+    penalties over seq's tokens, then the logit bias."""
+    params = seq.sampling
+    if params.repetition_penalty != 1.0:
+        row.copy_(apply_repetition_penalty(row, seq.token_ids, params.repetition_penalty))
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        counts = Counter(seq.token_ids[seq.num_prompt_tokens:])
+        if counts:
+            ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+            times = torch.tensor(list(counts.values()), dtype=torch.float32, device=row.device)
+            row.index_add_(0, ids, -(params.presence_penalty + params.frequency_penalty * times))
+    if params.logit_bias:
+        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long, device=row.device)
+        bias = torch.tensor([value for _, value in params.logit_bias], dtype=torch.float32, device=row.device)
+        row.index_add_(0, ids, bias)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
+    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
+    seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+    logits = logits.clone()
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def sample_rows_torch(logits: torch.Tensor, params: SequenceOf[SamplingParams], uniforms: list[float]) -> list[int]:
+    """Filters 3-6 and a draw for rows [rows, vocab] with tensor operations on their device, keeping the sets
+    the CPU kernel keeps; -1 for a row with no drawable token."""
+    weights = kept_weights(logits, params)
+    return draw_rows(weights, uniforms)
+
+
+def kept_weights(logits: torch.Tensor, params: SequenceOf[SamplingParams]) -> torch.Tensor:
+    """Each row's weights after filters 3-6, zero where a filter dropped the token: [rows, vocab] float32."""
+    rows, vocab = logits.shape
+    device = logits.device
+    x = logits.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x)  # [rows, vocab] (nan_to_num would make -inf finite)
+    top = x.max(dim=-1, keepdim=True).values  # [rows, 1]
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    finite_top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    e = torch.exp((x - finite_top) / temperature)  # weights: [rows, vocab]
+    # A row whose top logit is +inf: its +inf tokens share everything (the limit of their softmax).
+    e = torch.where(top == float("inf"), (x == float("inf")).float(), e)
+    tau = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [rows, 1]
+    base = e
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        largest = torch.topk(e, max(top_k), dim=-1).values  # [rows, max k]
+        index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device).unsqueeze(1)
+        kth = torch.where(torch.tensor(top_k, device=device).unsqueeze(1) > 0, largest.gather(1, index), 0.0)
+        tau = torch.maximum(tau, kth)
+        base = torch.where(e >= kth, e, 0.0)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device).unsqueeze(1)
+    if bool((top_p < 1.0).any()):
+        tau = torch.maximum(tau, torch.where(top_p < 1.0, _top_p_threshold(base, top_p), 0.0).float())
+    return torch.where(e >= tau, e, 0.0)
+
+
+def _top_p_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest value v such that the weights >= v hold at least top_p of the row's weight: a
+    bisection over the weights' float32 bits (ordered as integers, the weights being >= 0), 31 rounds of a
+    masked sum. [rows, 1]"""
+    bits = weights.contiguous().view(torch.int32)  # [rows, vocab]
+    need = top_p * weights.double().sum(dim=-1, keepdim=True)  # [rows, 1]
+    lo = torch.zeros_like(need, dtype=torch.int64)  # weights >= 0 hold everything, so >= need
+    hi = torch.full_like(lo, 0x7F800001)  # above +inf: holds nothing
+    for _ in range(31):
+        mid = (lo + hi) // 2
+        held = torch.where(bits >= mid, weights, 0.0).double().sum(dim=-1, keepdim=True)
+        enough = held >= need
+        lo = torch.where(enough, mid, lo)
+        hi = torch.where(enough, hi, mid)
+    return lo.to(torch.int32).view(torch.float32)
 
 
 _CHUNK = 256  # tokens a draw's second search runs over
 
 
-def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `probs` [rows, vocab] (each row a distribution, any scale), by the inverse of
-    the row's cumulative distribution: the first token whose cumulative probability passes one uniform
-    draw of the row's stream times the row's total, in float64. The search runs in two steps, over the
-    sums of 256-token chunks and then within the chunk it lands in, so no row needs a cumulative sum over
-    the whole vocabulary. A token of probability 0 is never chosen. One random number per token, where
-    torch.multinomial draws one per vocabulary entry (1.1 ms a row for 49,152 entries)."""
-    rows, vocab = probs.shape
-    padded = torch.nn.functional.pad(probs, (0, -vocab % _CHUNK)) if vocab % _CHUNK else probs
+def draw_rows(weights: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """One token per row of `weights` [rows, vocab] (any non-negative scale), by the inverse of the row's
+    cumulative weight: the first token whose cumulative weight passes the row's uniform number times its
+    total, in float64. The search runs in two steps, over the sums of 256-token chunks and then within the
+    chunk it lands in. A token of weight 0 is never chosen; -1 for a row that weighs nothing."""
+    rows, vocab = weights.shape
+    padded = torch.nn.functional.pad(weights, (0, -vocab % _CHUNK)) if vocab % _CHUNK else weights
     chunks = padded.reshape(rows, -1, _CHUNK)
     chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, chunks]
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = torch.tensor(uniforms, dtype=torch.float64, device=weights.device)
     target = (u * chunk_cdf[:, -1]).unsqueeze(1)  # [rows, 1]
     chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=chunk_cdf.shape[1] - 1)  # [rows, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
@@ -115,58 +231,12 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     offset = torch.searchsorted(inside + before, target, right=True)
     picked = chunk * _CHUNK + offset  # [rows, 1]
     # Rounding at a chunk's end can pass every token of the chunk it landed in: take its last possible one.
-    stray = (offset >= _CHUNK) | (picked >= vocab) | (probs.gather(1, picked.clamp(max=vocab - 1)) == 0)
+    stray = (offset >= _CHUNK) | (picked >= vocab) | (weights.gather(1, picked.clamp(max=vocab - 1)) == 0)
     tokens = picked.squeeze(1).tolist()
     for row in stray.squeeze(1).nonzero().flatten().tolist():
         end = min(vocab, (int(chunk[row, 0]) + 1) * _CHUNK)
-        possible = probs[row, :end].nonzero()
-        tokens[row] = int(possible[-1]) if len(possible) else int(probs[row].nonzero()[-1])
+        possible = weights[row, :end].nonzero()
+        if not len(possible):
+            possible = weights[row].nonzero()
+        tokens[row] = int(possible[-1]) if len(possible) else -1
     return tokens
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """draw_rows for one distribution `probs` [vocab]."""
-    return draw_rows(probs.unsqueeze(0), [generator])[0]
-
-
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that reshapes the logits first: the row's token is its argmax."""
-    return params.greedy and params.repetition_penalty == 1.0
-
-
-def skip_draw(seq: Sequence) -> None:
-    """Move a sampled sequence's random stream as `sample` does for one token (`draw` takes one number
-    whatever the probabilities), for a token appended without sampling (engine/structured.py's forced
-    tokens): its later draws stay those of step-by-step decoding."""
-    if seq.generator is not None:
-        torch.rand((), generator=seq.generator, dtype=torch.float64)
-
-
-def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
-    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
-    seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-    logits = logits.clone()
-    values = logits[seen]
-    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    return logits
-
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (renormalised; never all zero)."""
-    logits = (logits / params.temperature).nan_to_num(nan=float("-inf"))
-    top = logits.max()
-    if torch.isinf(top):  # an absurd repetition penalty overflowed: take the limit, not NaN
-        logits = torch.where(logits == top, 0.0, float("-inf")) if top > 0 else torch.zeros_like(logits)
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        drop_sorted = (cumulative - sorted_probs) >= params.top_p  # keeps the token that crosses top_p
-        drop_sorted[0] = False  # and the most likely one, even when top_p rounds to 0 in float32
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()

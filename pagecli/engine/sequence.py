@@ -43,7 +43,7 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     arrival_time_s: float = field(default_factory=time.perf_counter)
     first_token_time_s: float | None = None
-    generator: Any = None  # torch.Generator for seeded sampling (None when greedy)
+    rng: Any = None  # engine/sampler.RandomStream of a sampled sequence (None when greedy)
     candidate_index: int = 0  # which of the request's n candidates this is
     forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
     grammar: Any = None  # engine/structured.GrammarState when the request constrains its output
@@ -53,7 +53,7 @@ class Sequence:
         """Candidate 0 of an n > 1 request whose candidates do not exist yet."""
         return self.sampling.n > 1 and self.candidate_index == 0 and not self.forked
 
-    def fork(self, candidate_index: int, generator: Any) -> Sequence:
+    def fork(self, candidate_index: int, rng: Any) -> Sequence:
         """A candidate that continues from this sequence's tokens. Its block table names the same
         blocks; the caller takes the references (KVCacheManager.share_blocks)."""
         return Sequence(
@@ -62,7 +62,7 @@ class Sequence:
             block_hashes=list(self.block_hashes), num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens, status=self.status, arrival=self.arrival,
             arrival_time_s=self.arrival_time_s, first_token_time_s=self.first_token_time_s,
-            generator=generator, candidate_index=candidate_index, forked=True,
+            rng=rng, candidate_index=candidate_index, forked=True,
         )
 
     def __post_init__(self) -> None:

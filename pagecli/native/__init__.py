@@ -54,6 +54,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
     "greedy.cpp",             # the greedy token of each logits row
+    "sampling.cpp",           # a drawn token per logits row: temperature, top-k, top-p, min-p without a sort
     "weight_memory.cpp",      # the weights decode streams, in 2 MB pages
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)

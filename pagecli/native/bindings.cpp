@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A zero-filled tensor in the packed weights' memory (2 MB pages where Linux gives them)");
   m.def("weight_copy", &pagecli::weight_copy, "A contiguous copy of a CPU tensor in the packed weights' memory");
   m.def("greedy_tokens", &pagecli::greedy_tokens, "Each row's first index of its largest logit (torch.max's)");
+  m.def("sample_rows", &pagecli::sample_rows,
+        "One token per row drawn after temperature, top-k, top-p and min-p, without a sort (-1: none possible)");
   m.def("has_bf16_linear", &pagecli::has_bf16_linear, "Whether linear_bf16_rows was built");
   m.def("linear", &pagecli::native_linear, "x @ w^T (+ bias): AMX tiles, the bf16 rows kernel or at::linear, by shape");
   m.def("has_amx", &pagecli::has_amx, "Whether linear_bf16_amx was built and the OS grants AMX tiles");

@@ -65,4 +65,11 @@ void silu_mul_into(const torch::Tensor& gate_up, torch::Tensor& out);
 // greedy.cpp: per row of logits [rows, vocab], the first index of its largest value (torch.max's).
 std::vector<int64_t> greedy_tokens(const torch::Tensor& logits);
 
+// sampling.cpp: per row of logits [rows, vocab], one token drawn after temperature, top-k (0: off), top-p
+// (1: off) and min-p (0: off), its uniform numbers from the row's 64-bit random word; -1 where no token
+// can be drawn (every logit -inf or NaN). engine/sampler.py states what each filter keeps.
+std::vector<int64_t> sample_rows(const torch::Tensor& logits, const std::vector<double>& temperature,
+                                 const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                                 const std::vector<double>& min_p, const std::vector<uint64_t>& random);
+
 }  // namespace pagecli

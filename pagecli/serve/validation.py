@@ -25,8 +25,7 @@ Prompt = str | list[dict[str, Any]] | list[int] | Conversation
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "echo": (None, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
     "beam_width": (None, 1),  # beam search runs in `generate` only
     "prediction": (None,),

@@ -1,0 +1,388 @@
+// One drawn token per row of logits, after temperature, top-k, top-p and min-p, without sorting the
+// vocabulary (engine/sampler.py states the filters' order and what each keeps; this is its CPU kernel).
+//
+// Every filter keeps the tokens whose weight e = exp((logit - top) / temperature) is at least some
+// threshold, so a row's kept set is {e >= tau}: min-p keeps e >= min_p (the top token's e is 1);
+// top-k keeps e >= the k-th largest e; top-p keeps the tokens whose heavier tokens (e greater than
+// theirs, among those top-k kept) hold less than top_p of the kept weight. Ties at a threshold are
+// all kept. How each is found without a sort of the vocabulary:
+// - top-p alone (the shipped default) by rejection against pivots: draw from the tokens at or above
+//   the current pivot (at first min-p's threshold, or all); a drawn token that top-p keeps is the
+//   answer; else no token at or below its weight is kept, so the pivot moves just above it and the
+//   next draw comes from fewer tokens. Each draw lands in the kept set with probability at least
+//   top_p of what remains, and conditioned on landing there it is distributed as the filtered
+//   distribution, so the answer is drawn from it exactly. A round is two vectorized passes; after
+//   kMaxRounds, what is left is sorted (partially: a weighted quickselect) to find the threshold.
+// - top-k by one scan that keeps a buffer of the tokens above a running k-th value (re-selected with
+//   nth_element when the buffer doubles); with top-p too, top-p's threshold is selected among them.
+// A draw is the inverse of the kept tokens' cumulative weight at u * (their total): the first token
+// whose running sum passes it, found over sums of 64-token blocks and then within one block. A token
+// of weight 0 is never drawn. A row's uniform numbers come from its own 64-bit random word, so a row
+// draws the same token alone or in any batch, on any thread.
+
+#include "cpu_ops.h"
+#include "simd.h"
+#include "work_share.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGECLI_SAMPLE_AVX2 1
+#else
+#define PAGECLI_SAMPLE_AVX2 0
+#endif
+
+namespace pagecli {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// Beyond d = 87 nats below the top a token's weight rounds to 0 in float32 (as in a float32 softmax).
+constexpr float kZeroBeyond = 87.0f;
+constexpr int64_t kBlock = 64;  // tokens per block of a draw's first search
+constexpr int kMaxRounds = 4;   // rejection rounds before top-p's threshold is selected outright
+
+struct RowFilters {
+  float inv_temperature;
+  int64_t top_k;   // 0: off
+  double top_p;    // 1: off
+  float min_p;     // 0: off
+  uint64_t random; // the row's random word: its uniform numbers
+};
+
+// A thread's buffers, reused row after row (a row of 49,152 tokens: 200 KB of weights).
+struct Scratch {
+  std::vector<float> x, e, picked;
+  std::vector<double> block_sum;
+};
+
+Scratch& scratch(int64_t vocab) {
+  static thread_local Scratch s;
+  if (static_cast<int64_t>(s.e.size()) < vocab) {
+    s.x.resize(vocab);
+    s.e.resize(vocab);
+    s.block_sum.resize(vocab / kBlock + 1);
+  }
+  return s;
+}
+
+// Uniform number `round` of a row in [0, 1): splitmix64 of the row's word and the round.
+double uniform(uint64_t random, int round) {
+  uint64_t z = random + static_cast<uint64_t>(round) * 0x9e3779b97f4a7c15ull;
+  if (round > 0) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+  }
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+#if PAGECLI_SAMPLE_AVX2
+// exp(x) for 8 floats in [-87, 0]: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits.
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-kZeroBeyond));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// The row's logits as float32, NaN read as -inf, and their largest value. A float32 row without a
+// NaN is read where it lies.
+template <typename scalar_t>
+const float* load_row(const scalar_t* row, int64_t vocab, Scratch& s, float& top) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    float best = -kInf;
+    bool nan = false;
+    int64_t i = 0;
+#if PAGECLI_SAMPLE_AVX2
+    __m256 acc = _mm256_set1_ps(-kInf), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= vocab; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      acc = _mm256_max_ps(v, acc);  // a NaN in v keeps acc
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (float lane : lanes) best = std::max(best, lane);
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; i < vocab; ++i) {
+      nan |= std::isnan(row[i]);
+      if (row[i] > best) best = row[i];
+    }
+    top = best;
+    if (!nan) return row;
+  }
+  float* x = s.x.data();
+  float best = -kInf;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float v = to_float(row[i]);
+    x[i] = std::isnan(v) ? -kInf : v;
+    best = std::max(best, x[i]);
+  }
+  top = best;
+  return x;
+}
+
+// e[i] = exp(-(top - x[i]) * inv_temperature), 0 beyond 87 nats; returns their sum.
+double weigh_row(const float* x, int64_t vocab, float top, float inv_temperature, Scratch& s) {
+  float* e = s.e.data();
+  double total = 0.0;
+  int64_t i = 0;
+#if PAGECLI_SAMPLE_AVX2
+  const __m256 vtop = _mm256_set1_ps(top), vinv = _mm256_set1_ps(inv_temperature);
+  const __m256 zero_beyond = _mm256_set1_ps(kZeroBeyond);
+  for (; i + kBlock <= vocab; i += kBlock) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = i; k < i + kBlock; k += 8) {
+      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(vtop, _mm256_loadu_ps(x + k)), vinv);
+      __m256 w = exp8_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), d));
+      w = _mm256_andnot_ps(_mm256_cmp_ps(d, zero_beyond, _CMP_NLE_UQ), w);  // 0 past 87 nats (and d NaN)
+      _mm256_storeu_ps(e + k, w);
+      acc = _mm256_add_ps(acc, w);
+    }
+    total += sum8(acc);
+  }
+#endif
+  for (; i < vocab; ++i) {
+    const float d = (top - x[i]) * inv_temperature;
+    e[i] = d <= kZeroBeyond ? std::exp(-d) : 0.0f;
+    total += e[i];
+  }
+  return total;
+}
+
+// The weight of the tokens heavier than `weight` (e > weight).
+double weight_above(const float* e, int64_t vocab, float weight) {
+  double total = 0.0;
+  int64_t i = 0;
+#if PAGECLI_SAMPLE_AVX2
+  const __m256 v = _mm256_set1_ps(weight);
+  for (; i + kBlock <= vocab; i += kBlock) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = i; k < i + kBlock; k += 8) {
+      const __m256 w = _mm256_loadu_ps(e + k);
+      acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(w, v, _CMP_GT_OQ), w));
+    }
+    total += sum8(acc);
+  }
+#endif
+  for (; i < vocab; ++i) total += e[i] > weight ? e[i] : 0.0f;
+  return total;
+}
+
+// The weights at or above `floor` (into s.picked).
+std::vector<float>& weights_from(float floor, int64_t vocab, Scratch& s) {
+  s.picked.clear();
+  const float* e = s.e.data();
+  int64_t i = 0;
+#if PAGECLI_SAMPLE_AVX2
+  const __m256 v = _mm256_set1_ps(floor);
+  for (; i + 8 <= vocab; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), v, _CMP_GE_OQ));
+    for (; hit; hit &= hit - 1) s.picked.push_back(e[i + __builtin_ctz(hit)]);
+  }
+#endif
+  for (; i < vocab; ++i) {
+    if (e[i] >= floor) s.picked.push_back(e[i]);
+  }
+  return s.picked;
+}
+
+// The largest value v of `values` such that the values >= v add up to at least `need` (ties kept);
+// `fallback` where rounding leaves their whole sum just short of it. A quickselect by weight: each
+// round splits the values around a pivot and goes on in the part the threshold lies in.
+float weighted_select(std::vector<float>& values, double need, float fallback) {
+  auto begin = values.begin();
+  size_t lo = 0, hi = values.size();
+  double above = 0.0;
+  while (hi - lo > 32) {
+    const float a = values[lo], b = values[lo + (hi - lo) / 2], c = values[hi - 1];
+    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // the median of three
+    const auto heavier = std::partition(begin + lo, begin + hi, [pivot](float w) { return w > pivot; });
+    const auto equal = std::partition(heavier, begin + hi, [pivot](float w) { return w == pivot; });
+    double heavier_sum = 0.0, equal_sum = 0.0;
+    for (auto it = begin + lo; it != heavier; ++it) heavier_sum += *it;
+    for (auto it = heavier; it != equal; ++it) equal_sum += *it;
+    if (above + heavier_sum >= need) {
+      hi = heavier - begin;
+    } else if (above + heavier_sum + equal_sum >= need) {
+      return pivot;
+    } else {
+      above += heavier_sum + equal_sum;
+      lo = equal - begin;
+    }
+  }
+  std::sort(begin + lo, begin + hi, std::greater<float>());
+  for (size_t i = lo; i < hi; ++i) {
+    above += values[i];
+    if (above >= need) return values[i];
+  }
+  return fallback;
+}
+
+// The k-th largest weight, ties kept (0 < k < vocab).
+float kth_largest(int64_t k, int64_t vocab, Scratch& s) {
+  std::vector<float>& buffer = s.picked;
+  const float* e = s.e.data();
+  buffer.assign(e, e + k);
+  std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), std::greater<float>());
+  float kth = buffer[k - 1];
+  const size_t limit = static_cast<size_t>(std::max<int64_t>(2 * k, 256));
+  int64_t i = k;
+#if PAGECLI_SAMPLE_AVX2
+  for (; i + 8 <= vocab; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), _mm256_set1_ps(kth), _CMP_GT_OQ));
+    if (hit == 0) continue;
+    for (; hit; hit &= hit - 1) buffer.push_back(e[i + __builtin_ctz(hit)]);
+    if (buffer.size() >= limit) {
+      std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), std::greater<float>());
+      buffer.resize(k);
+      kth = buffer[k - 1];
+    }
+  }
+#endif
+  for (; i < vocab; ++i) {
+    if (e[i] > kth) buffer.push_back(e[i]);
+  }
+  std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), std::greater<float>());
+  return buffer[k - 1];
+}
+
+// The token whose running weight (over e >= tau, in vocabulary order) first passes u * their total;
+// -1 where they weigh nothing.
+int64_t draw_from(int64_t vocab, float tau, double u, Scratch& s) {
+  const float* e = s.e.data();
+  const int64_t blocks = (vocab + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t end = std::min(vocab, (blk + 1) * kBlock);
+    int64_t i = blk * kBlock;
+    float sum = 0.0f;
+#if PAGECLI_SAMPLE_AVX2
+    const __m256 vtau = _mm256_set1_ps(tau);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= end; i += 8) {
+      const __m256 w = _mm256_loadu_ps(e + i);
+      acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(w, vtau, _CMP_GE_OQ), w));
+    }
+    sum = sum8(acc);
+#endif
+    for (; i < end; ++i) sum += e[i] >= tau ? e[i] : 0.0f;
+    s.block_sum[blk] = sum;
+    total += sum;
+  }
+  if (!(total > 0.0)) return -1;
+  const double target = u * total;
+  double running = 0.0;
+  int64_t blk = 0;
+  while (blk + 1 < blocks && running + s.block_sum[blk] <= target) running += s.block_sum[blk++];
+  int64_t last_kept = -1;
+  for (int64_t i = blk * kBlock; i < std::min(vocab, (blk + 1) * kBlock); ++i) {
+    if (e[i] < tau || e[i] == 0.0f) continue;
+    running += e[i];
+    last_kept = i;
+    if (running > target) return i;
+  }
+  if (last_kept >= 0) return last_kept;  // the block's float sum rounded above its tokens' own
+  for (int64_t i = vocab - 1; i >= 0; --i) {
+    if (e[i] >= tau && e[i] > 0.0f) return i;
+  }
+  return -1;
+}
+
+// Top-p alone (with min-p's floor): rejection against pivots, then a selection if it takes long.
+int64_t draw_top_p(int64_t vocab, double top_p, float floor, double total, uint64_t random, Scratch& s) {
+  const double need = top_p * total;
+  float tau = floor;
+  for (int round = 0; round < kMaxRounds; ++round) {
+    const int64_t token = draw_from(vocab, tau, uniform(random, round), s);
+    if (token < 0) return token;
+    const float weight = s.e[token];
+    if (weight_above(s.e.data(), vocab, weight) < need) return token;
+    tau = std::nextafter(weight, kInf);  // nothing at or below this weight is kept
+  }
+  // Every token top-p keeps is at or above tau; so is every token heavier than any of them.
+  std::vector<float>& left = weights_from(tau, vocab, s);
+  tau = std::max(tau, weighted_select(left, need, tau));
+  return draw_from(vocab, tau, uniform(random, kMaxRounds), s);
+}
+
+template <typename scalar_t>
+int64_t sample_row(const scalar_t* row, int64_t vocab, const RowFilters& f) {
+  Scratch& s = scratch(vocab);
+  float top = 0.0f;
+  const float* x = load_row(row, vocab, s, top);
+  if (top == -kInf) return -1;  // every token masked (or NaN): nothing can be drawn
+  if (top == kInf) {
+    // Tokens at +inf share all the probability (the limit of their softmax); the rest get none.
+    for (int64_t i = 0; i < vocab; ++i) s.e[i] = x[i] == kInf ? 1.0f : 0.0f;
+    return draw_from(vocab, 1.0f, uniform(f.random, 0), s);
+  }
+  const double total = weigh_row(x, vocab, top, f.inv_temperature, s);
+  float tau = f.min_p;
+  if (f.top_k > 0 && f.top_k < vocab) {
+    const float kth = kth_largest(f.top_k, vocab, s);
+    tau = std::max(tau, kth);
+    if (f.top_p < 1.0) {
+      std::vector<float>& kept = weights_from(kth, vocab, s);
+      double held = 0.0;
+      for (float w : kept) held += w;
+      tau = std::max(tau, weighted_select(kept, f.top_p * held, kth));
+    }
+  } else if (f.top_p < 1.0) {
+    return draw_top_p(vocab, f.top_p, tau, total, f.random, s);
+  }
+  return draw_from(vocab, tau, uniform(f.random, 0), s);
+}
+
+}  // namespace
+
+std::vector<int64_t> sample_rows(const torch::Tensor& logits, const std::vector<double>& temperature,
+                                 const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                                 const std::vector<double>& min_p, const std::vector<uint64_t>& random) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0,
+              "logits must be a CPU [rows, vocab] tensor");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  for (const auto* v : {&temperature, &top_p, &min_p}) {
+    TORCH_CHECK(static_cast<int64_t>(v->size()) == rows, "sample_rows takes one value per row");
+  }
+  TORCH_CHECK(static_cast<int64_t>(top_k.size()) == rows && static_cast<int64_t>(random.size()) == rows,
+              "sample_rows takes one top_k and one random word per row");
+  const torch::Tensor contiguous = logits.contiguous();
+  std::vector<int64_t> tokens(rows);
+  PAGECLI_DISPATCH(contiguous.scalar_type(), "sample_rows", [&] {
+    const scalar_t* base = contiguous.data_ptr<scalar_t>();
+    parallel_shared_items(rows, 1, [&](int64_t r) {
+      const RowFilters f{static_cast<float>(1.0 / temperature[r]), top_k[r], top_p[r], static_cast<float>(min_p[r]),
+                         random[r]};
+      tokens[r] = sample_row(base + r * vocab, vocab, f);
+    });
+  });
+  return tokens;
+}
+
+}  // namespace pagecli
