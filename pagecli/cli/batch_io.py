@@ -10,10 +10,11 @@ raised: every per-line failure is worded by `request_failure`. Where results go 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class BatchRequest:
     prompt: str | list[dict[str, Any]] | Conversation  # chat messages are already flattened by read_messages
     sampling: dict[str, Any] = field(default_factory=dict)
     tools: ToolRequest | None = None  # the line's tools and tool_choice (line_tools.py)
+    line_sha256: str = ""  # line_digest of the line: what its record answers
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class BadLine:
     line: int
     request_id: str
     error: str  # starts with "line N: "
+    line_sha256: str = ""
 
 
 def input_name(path: str) -> str:
@@ -102,14 +105,17 @@ def detect_format(path: str, lines: list[str], requested: str) -> str:
     return "jsonl" if first.startswith("{") else "text"
 
 
+def line_digest(raw: str, fmt: str) -> str:
+    """What one input line asks, as a short digest: its text as read, and whether it was read as JSONL or text."""
+    return hashlib.sha256(f"{fmt}\n{raw}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def parse_requests(lines: list[str], fmt: str) -> Iterator[BatchRequest | BadLine]:
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        if fmt == "text":
-            yield BatchRequest(number, f"line-{number}", raw)
-        else:
-            yield parse_json_line(raw, number)
+        item = BatchRequest(number, f"line-{number}", raw) if fmt == "text" else parse_json_line(raw, number)
+        yield replace(item, line_sha256=line_digest(raw, fmt))
 
 
 def parse_json_line(raw: str, number: int) -> BatchRequest | BadLine:
