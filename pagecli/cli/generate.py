@@ -12,6 +12,7 @@ from typing import Any
 
 from pagecli.chat.turn import StopFlag
 from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests, sampling_with
+from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES
 from pagecli.cli.line_results import LineResults
 from pagecli.cli.line_tools import record_fields
 from pagecli.cli.options import RunSettings
@@ -31,7 +32,7 @@ def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) ->
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
                  progress: bool | None, retry_errors: bool = False, cluster: Any = None,
-                 force_restart: bool = False) -> int:
+                 force_restart: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """Runs every input line without a result in the output (with `retry_errors`, also those whose result
     is an error; with `force_restart`, every line, the output emptied first); the exit code: 0, 1 when every
     line run failed, 130 when interrupted. With `cluster` (pagecli.cluster.launch.ClusterOptions) the lines run
@@ -39,7 +40,7 @@ def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: 
     is refused (results_file.check_answers)."""
     if force_restart and retry_errors:
         raise PagecliError("--force-restart runs every line again; leave out --retry-errors.")
-    items = read_requests(input_path, fmt)
+    items = read_requests(input_path, fmt, max_line_bytes)
     identity = run_identity(items, input_path, settings)
     # Checked before the lock is taken, so a finished output in a read-only folder needs no lock file.
     if not force_restart:
