@@ -142,3 +142,25 @@ def test_the_flags_default_is_the_readers():
 @pytest.mark.parametrize("data", [b"", b"a", b"ab\n", b"\x00\x00\x00"])
 def test_inputs_shorter_than_a_bom_read(data):
     assert read_lines(io.BytesIO(data), "x", 100) == data.decode().splitlines()
+
+
+def test_a_schema_file_is_read_with_a_bound():
+    """Reproducer: `/format /dev/zero` (and --json-schema /dev/zero) grew without limit."""
+    from pagecli.config.structured import spec_from_schema_file
+    from pagecli.errors import PagecliError
+
+    with pytest.raises(PagecliError, match="JSON schema file '/dev/zero' is larger than 16 MiB"):
+        spec_from_schema_file("/dev/zero")
+
+
+def test_chat_format_dev_zero_is_one_problem_and_the_chat_goes_on(tiny_llama):
+    from chat_helpers import GREEDY, RecordingView, make_engine
+
+    from pagecli.chat.controller import ChatController
+
+    view = RecordingView()
+    chat = ChatController(make_engine(tiny_llama), GREEDY, view)
+    chat.handle_line("/format /dev/zero")
+    assert len(view.problems) == 1 and "larger than 16 MiB" in view.problems[0]
+    chat.handle_line("hello")
+    assert len(view.records) == 1
