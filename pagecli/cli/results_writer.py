@@ -137,11 +137,11 @@ class ResultWriter:
 
     def _drop_journal(self) -> None:
         """Removes the journal, ours (the one this run made or adopted), now that the output holds it all."""
+        journal = journal_path(self.path)  # type: ignore[arg-type]
         if self._journal_fd is None and self._journal_found:
-            self._journal_fd = open_existing(journal_path(self.path), os.O_RDONLY, JOURNAL_HEADER,  # type: ignore[arg-type]
-                                             "journal")
+            self._journal_fd = open_existing(journal, os.O_RDONLY, JOURNAL_HEADER, "journal")
         if self._journal_fd is not None:
-            remove_if_same(journal_path(self.path), self._journal_fd)  # type: ignore[arg-type]
+            remove_if_same(journal, self._journal_fd)
 
     def _journal(self) -> int:
         if self._journal_fd is None:
