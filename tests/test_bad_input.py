@@ -194,7 +194,7 @@ def test_one_line_that_fails_gets_its_error_record_and_the_other_three_are_answe
     out = records(dst)
     assert [r["line"] for r in out] == [1, 2, 3, 4]
     assert [r["completion_tokens"] for r in out if "text" in r] == [3, 3, 3]
-    assert set(out[2]) == {"id", "line", "error"} and message in out[2]["error"], out[2]
+    assert set(out[2]) == {"id", "line", "error", "line_sha256", "settings_sha256"} and message in out[2]["error"], out[2]
     assert "Traceback" not in err and "Unexpected" not in err
 
 

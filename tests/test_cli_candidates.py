@@ -24,7 +24,8 @@ def test_a_line_with_n_gets_choices_and_a_line_without_keeps_todays_record(tiny_
     ]) + "\n")
     assert generate(tiny_llama, src, tmp_path / "out.jsonl") == 0
     three, one, batch = records(tmp_path / "out.jsonl")
-    assert set(one) == {"id", "line", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert set(one) == {"id", "line", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                        "line_sha256", "settings_sha256"}
     assert [c["index"] for c in three["choices"]] == [0, 1, 2] and [c["index"] for c in batch["choices"]] == [0, 1]
     for choice in three["choices"]:  # greedy: every candidate is the lone request's output
         assert set(choice) == {"index", "text", "finish_reason", "completion_tokens"}

@@ -99,4 +99,4 @@ def test_any_input_gets_one_record_per_non_blank_line_or_a_clear_error_before_wr
         assert code in (0, 1), err
         out = [json.loads(line) for line in dst.read_bytes().split(b"\n")[:-1]]
         assert [r["line"] for r in out] == expected
-        assert not (Path(folder) / "out.jsonl.partial").exists()
+        assert sorted(p.name for p in Path(folder).iterdir()) == ["in", "out.jsonl"], "no lock, no journal left"

@@ -4,7 +4,7 @@ and two runs on one output never both write it.
 Each run is a real process: SIGKILL while the model loads and while results are being written,
 SIGINT for a clean stop with a summary, then a last run that completes. After every run the file
 holds whole JSON lines, in input order, each line once; results that finished ahead of their turn
-wait in the journal (OUTPUT.partial) and survive the kill; at the end, exactly the records of a run
+wait in the journal (OUTPUT.pagecli-journal) and survive the kill; at the end, exactly the records of a run
 that was never interrupted. The output's lock dies with its process.
 """
 
@@ -49,7 +49,8 @@ def complete_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     data = path.read_bytes()
-    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+    return [r for r in records if "line" in r]  # a journal begins with pagecli's header line
 
 
 def assert_ordered_prefix(records: list[dict]) -> None:
@@ -141,7 +142,7 @@ def write_uneven_requests(path: Path, count: int) -> None:
 
 
 def test_sigkill_keeps_results_that_finished_ahead_of_their_turn(tiny_llama, tmp_path):
-    src, dst, journal = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+    src, dst, journal = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out.jsonl.pagecli-journal"
     write_uneven_requests(src, 24)
     uneven = ["-t", "0", "--ignore-eos", "--num-blocks", "128", "--threads", "1", "--max-num-seqs", "4"]
     assert main(["generate", str(src), "-o", str(tmp_path / "reference.jsonl"), "-m", str(tiny_llama), *uneven]) == 0
@@ -177,7 +178,7 @@ def assert_ordered_prefix_of(records: list[dict], reference: list[dict]) -> None
 HOLD_THE_LOCK = """
 import sys, time
 from pathlib import Path
-from pagecli.cli.results_writer import OutputLock
+from pagecli.cli.side_files import OutputLock
 with OutputLock(Path(sys.argv[1]), sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)
@@ -212,7 +213,7 @@ def test_a_lock_left_by_a_killed_run_does_not_block_the_next(tiny_llama, tmp_pat
     holder = hold_the_lock(dst)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    assert (tmp_path / "out.jsonl.lock").exists()
+    assert (tmp_path / "out.jsonl.pagecli-lock").exists()
     assert main(["generate", str(src), "-o", str(dst), "-m", str(tiny_llama), *GREEDY]) == 0
     assert_ordered_prefix(complete_records(dst))
     assert len(complete_records(dst)) == NUM_PROMPTS

@@ -117,3 +117,18 @@ def test_a_base_of_another_ctx_or_file_is_refused_in_one_line(tiny_model_factory
                  "--kl-base", str(junk)])
     err = capsys.readouterr().err
     assert code != 0 and "Cannot read" in err and "--kl-base file" in err and "Traceback" not in err
+
+
+def test_saving_a_base_never_writes_a_users_file_beside_it(tmp_path):
+    """The base was written through PATH.partial, a name a user's file may have; now a temp file of pagecli's own."""
+    import torch
+
+    from pagecli.bench.kl_divergence import BaseDistributions
+
+    mine = tmp_path / "base.pt.partial"
+    mine.write_text("my notes\n")
+    base = BaseDistributions(8, "d", "desc", 1.5, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
+    base.save(tmp_path / "base.pt")
+    assert mine.read_text() == "my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.pt", "base.pt.partial"]
+    assert BaseDistributions.load(tmp_path / "base.pt").ppl == 1.5

@@ -128,7 +128,7 @@ def test_a_run_killed_mid_write_loses_only_what_was_in_flight(dies_at_write, ech
     assert [r["text"] for r in records(dst)] == [f"echo:prompt {i}" for i in range(1, 7)]
     rerun = echo_engine.runs[1] if len(echo_engine.runs) > 1 else []
     assert sorted(rerun) == sorted({1, 2, 3, 4, 5, 6} - saved)
-    assert not (tmp_path / "out.jsonl.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.jsonl"], "no lock, no journal left"
 
 
 def test_results_in_order_go_straight_to_the_output_and_leave_no_journal(echo_engine, tmp_path, monkeypatch):
@@ -167,7 +167,7 @@ def test_retry_errors_reruns_only_error_lines_and_replaces_their_records_in_plac
     assert [json.loads(x)["text"] for x in (after[1], after[3])] == ["echo:prompt 2", "echo:prompt 4"]
     assert echo_engine.runs == [[2, 4]]
     assert dst.stat().st_mode & 0o777 == 0o640
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.jsonl", "out.jsonl.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.jsonl"], "no lock, no journal left"
 
 
 def test_without_retry_errors_error_records_are_kept(echo_engine, tmp_path, capsys):
@@ -231,7 +231,8 @@ def test_a_full_disk_is_one_sentence_and_leaves_whole_lines_then_the_rerun_finis
     def disk_fills(fd, data):
         if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
             written.append(data)
-            if len(written) == 8:  # lines 6..2 went to the journal, 1 and 2 to the output; line 3 fills it
+            if len(written) == 9:  # the journal's header and lines 6..2 went to the journal, 1 and 2 to the output;
+                # line 3 fills the disk
                 real_write(fd, data[:10])
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
@@ -279,7 +280,7 @@ def test_a_complete_output_in_a_read_only_folder_has_nothing_to_do(echo_engine, 
     dst.write_text(a_record(1) + "\n" + a_record(2) + "\n")
     assert generate(prompts(tmp_path, 2), dst) == 0
     assert "Nothing to do: all 2 requests" in capsys.readouterr().err
-    assert not (read_only_folder / "out.jsonl.lock").exists()
+    assert not (read_only_folder / "out.jsonl.pagecli-lock").exists()
 
 
 def test_an_unfinished_output_in_a_read_only_folder_is_one_sentence(echo_engine, tmp_path, read_only_folder, capsys):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +52,18 @@ class BaseDistributions:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        torch.save({"format": FORMAT, "ctx": self.ctx, "digest": self.digest, "description": self.description,
-                    "ppl": self.ppl, "top_ids": self.top_ids, "top_logp": self.top_logp, "nll": self.nll}, tmp)
-        tmp.replace(path)  # a crash leaves no half-written base behind
+        # A temp file of our own (O_EXCL, a name no user file has), renamed over the path only when whole:
+        # a crash leaves no half-written base behind, and a user's PATH.partial is never written.
+        fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".pagecli-tmp")
+        os.close(fd)
+        temp = Path(temp_name)
+        try:
+            torch.save({"format": FORMAT, "ctx": self.ctx, "digest": self.digest, "description": self.description,
+                        "ppl": self.ppl, "top_ids": self.top_ids, "top_logp": self.top_logp, "nll": self.nll}, temp)
+            temp.replace(path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: Path) -> BaseDistributions:

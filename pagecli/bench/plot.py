@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 
+from pagecli.bench.report_files import PNG_SOFTWARE
 from pagecli.errors import PagecliError
 
 _MISSING = ("--plot needs matplotlib, which is not installed; run `pip install 'pagecli[plot]'` "
@@ -40,7 +41,7 @@ def plot_occupancy(path: str, time_s: Sequence[float], active: Sequence[int], ca
     axes.legend(loc="upper right")
     figure.tight_layout()
     try:
-        figure.savefig(path)
+        figure.savefig(path, metadata={"Software": PNG_SOFTWARE})  # marks the file as pagecli's (report_files.py)
     except OSError as exc:
         raise PagecliError(f"Cannot write the plot to '{path}': {exc.strerror or exc}.") from None
     finally:

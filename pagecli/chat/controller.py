@@ -195,12 +195,17 @@ class ChatController:
     # --- the session ------------------------------------------------------------------------------
     def adopt(self, conversation: Conversation) -> None:
         """Chat on with `conversation` (a new chat, --resume, /load); known prefixes holding ids this model
-        lacks (an edited file) are dropped with a notice, since the engine would refuse every prompt."""
+        lacks, or ids that do not decode to their text (an edited file), are dropped with a notice: the
+        engine would refuse every prompt, or be sent tokens the transcript does not hold."""
         spec = getattr(getattr(self.engine, "loaded", None), "spec", None)
         vocab_size = getattr(spec, "vocab_size", None)
         if isinstance(vocab_size, int) and conversation.drop_prefixes_outside(vocab_size):
             self.view.notice("The session's cached token ids do not fit this model's vocabulary; they were "
                              "dropped, and the next turn prefills the history again.")
+        if conversation.fingerprint == getattr(self.engine, "fingerprint", None) and \
+                conversation.drop_prefixes_unlike(self.builder.decode):
+            self.view.notice("The session's cached token ids do not match its text; they were dropped, and the "
+                             "next turn tokenizes and prefills the history again.")
         self.conversation = conversation
 
     def claim_session(self, name: str) -> None:

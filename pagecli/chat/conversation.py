@@ -4,13 +4,15 @@
 was built on, the last prompt, and that prompt plus the reply it generated). The next prompt
 reuses those ids instead of re-tokenizing the reply, so its blocks hash the same and come from
 the prefix cache; after /undo or /retry, the shorter ones still match. They are tied to the
-engine fingerprint (tokenizer and chat template included). Every text held here is valid
+engine fingerprint (tokenizer and chat template included); ids read from a session file are kept only
+if they decode to their text (`drop_prefixes_unlike`). Every text held here is valid
 Unicode: text from outside (arguments, files) goes through `readable_text` first.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +101,15 @@ class Conversation:
         self.known_prefixes = kept
         return dropped
 
+    def drop_prefixes_unlike(self, decode: Callable[[Sequence[int]], str]) -> int:
+        """Forget known prefixes whose ids do not decode to their text (an edited session file): a prompt
+        would start with ids the transcript does not hold. How many went; without them the history is
+        tokenized afresh."""
+        kept = [p for p in self.known_prefixes if _decodes_to(decode, p)]
+        dropped = len(self.known_prefixes) - len(kept)
+        self.known_prefixes = kept
+        return dropped
+
     # --- JSON form (sessions; `pagecli.chat.session_format` reads it back) ----------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,3 +122,10 @@ class Conversation:
                 "prefixes": [{"text": p.text, "token_ids": list(p.token_ids)} for p in self.known_prefixes],
             },
         }
+
+
+def _decodes_to(decode: Callable[[Sequence[int]], str], prefix: KnownPrefix) -> bool:
+    try:
+        return decode(prefix.token_ids) == prefix.text
+    except Exception:  # noqa: BLE001 - ids a tokenizer cannot decode do not match any text
+        return False

@@ -15,6 +15,7 @@ from pagecli.chat.conversation import Conversation
 from pagecli.chat.multiline import Entry, read_entries
 from pagecli.chat.turn import TurnStats
 from pagecli.engine.stats import EngineStats
+from pagecli.errors import PagecliError
 
 
 def turn_record(record: TurnRecord) -> dict[str, Any]:
@@ -26,12 +27,30 @@ def turn_record(record: TurnRecord) -> dict[str, Any]:
     }
 
 
-def input_entries(stream: Iterable[str]) -> Iterator[Entry]:
+def input_entries(stream: Iterable[str], max_line_bytes: int | None = None) -> Iterator[Entry]:
     """One user message per line, or per block between two lines of three double quotes; blank lines
-    outside blocks are skipped. UnclosedBlock (a PagecliError) when the input ends inside a block."""
-    for entry in read_entries(line.rstrip("\r\n") for line in stream):
+    outside blocks are skipped. UnclosedBlock (a PagecliError) when the input ends inside a block; with
+    `max_line_bytes`, a PagecliError as soon as a line passes it (a file stream is read no further)."""
+    lines = stream if max_line_bytes is None else bounded_lines(stream, max_line_bytes)
+    for entry in read_entries(line.rstrip("\r\n") for line in lines):
         if not isinstance(entry, str) or entry.strip():
             yield entry
+
+
+def bounded_lines(stream: Iterable[str], max_line_bytes: int) -> Iterator[str]:
+    """The lines of a text stream, each read with a limit (`readline(size)`), so a line without an end
+    (/dev/zero) costs at most `max_line_bytes` characters before it is refused."""
+    readline = getattr(stream, "readline", None)
+    if readline is None:
+        yield from stream  # a list of lines: already in memory
+        return
+    number = 0
+    while line := readline(max_line_bytes + 1):
+        number += 1
+        if len(line.rstrip("\r\n").encode("utf-8", "surrogateescape")) > max_line_bytes:
+            raise PagecliError(f"Input line {number} is longer than {max_line_bytes:,} bytes (--max-line-bytes); "
+                               "split it, or raise --max-line-bytes.")
+        yield line
 
 
 class PlainView:

@@ -67,6 +67,13 @@ def generate(
         "--progress/--no-progress", help="Progress bar (default: on a terminal).", show_default=False)] = None,
     retry_errors: Annotated[bool, typer.Option(
         "--retry-errors", help="Run again the lines whose result is an error (after raising a limit, say).")] = False,
+    force_restart: Annotated[bool, typer.Option(
+        "--force-restart", help="Run every line again, emptying OUTPUT first (a pagecli results file only): the "
+                                "way on when OUTPUT answers another input or other settings.")] = False,
+    max_line_bytes: Annotated[int, typer.Option(
+        "--max-line-bytes", min=1, metavar="BYTES",
+        help="Longest input line read (in UTF-8 bytes); a longer one stops the run before anything runs.")]
+    = 4 << 20,  # input_lines.DEFAULT_MAX_LINE_BYTES, written out so this module imports nothing more
 ) -> None:
     """Generate completions for every request in INPUT and write them to OUTPUT."""
     if format not in ("auto", "jsonl", "text"):
@@ -75,7 +82,7 @@ def generate(
 
     cluster = _cluster_options(ray)
     code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors,
-                        cluster=cluster)
+                        cluster=cluster, force_restart=force_restart, max_line_bytes=max_line_bytes)
     if code:
         raise typer.Exit(code)
 

@@ -3,17 +3,19 @@
 Input: JSONL (`prompt` or `messages`, optional `id`, sampling fields and `response_format`), OpenAI batch-request
 lines (`custom_id`, `method`, `url`, `body.messages`, `body.max_completion_tokens`, ...), or plain
 text with one prompt per line. Lines end at `\\n` only (a `\\r` before it is dropped), so U+2028,
-U+0085 or a form feed inside a prompt never splits it; a leading UTF-8 BOM is dropped. Blank lines
+U+0085 or a form feed inside a prompt never splits it; the encoding and the line-length limit are
+input_lines.py's (UTF-8, or UTF-16/32 by their BOM; --max-line-bytes). Blank lines
 are skipped. A line that cannot become a request is a BadLine naming its line number, whatever
 raised: every per-line failure is worded by `request_failure`. Where results go is results_file.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 from pagecli.config import SamplingParams
 from pagecli.config.structured import spec_from_response_format
 from pagecli.errors import PagecliError, RequestError, request_failure
+from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES, read_lines
 from pagecli.cli.line_tools import tools_of_line
 from pagecli.models.messages import Conversation, read_messages
 from pagecli.models.tools import ToolRequest
@@ -38,7 +41,6 @@ _UNSUPPORTED_KEYS = {"logprobs": (None, False), "top_logprobs": (None, 0), "best
                      "echo": (None, False), "suffix": (None, ""),
                      "functions": (None, [])}  # OpenAI's old name for `tools`
 OPENAI_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
-_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class BatchRequest:
     prompt: str | list[dict[str, Any]] | Conversation  # chat messages are already flattened by read_messages
     sampling: dict[str, Any] = field(default_factory=dict)
     tools: ToolRequest | None = None  # the line's tools and tool_choice (line_tools.py)
+    line_sha256: str = ""  # line_digest of the line: what its record answers
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,16 @@ class BadLine:
     line: int
     request_id: str
     error: str  # starts with "line N: "
+    line_sha256: str = ""
 
 
 def input_name(path: str) -> str:
     return "stdin" if path == "-" else f"'{path}'"
 
 
-def read_requests(path: str, fmt: str) -> list[BatchRequest | BadLine]:
+def read_requests(path: str, fmt: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[BatchRequest | BadLine]:
     """Every non-blank line of the input as a request or a bad line; an input with none is an error."""
-    lines = read_input(path)
+    lines = read_input(path, max_line_bytes)
     items = list(parse_requests(lines, detect_format(path, lines, fmt)))
     if not items:
         raise PagecliError(f"There are no requests in {input_name(path)}: every line is blank. Give one request "
@@ -71,28 +75,20 @@ def read_requests(path: str, fmt: str) -> list[BatchRequest | BadLine]:
     return items
 
 
-def read_input(path: str) -> list[str]:
-    """The input's lines; '-' reads stdin. Undecodable bytes are kept visible, not fatal."""
+def read_input(path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[str]:
+    """The input's lines (input_lines.py: the encoding by its BOM, each line at most `max_line_bytes`);
+    '-' reads stdin. Undecodable bytes are kept visible, not fatal."""
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        if path == "-":
+            return read_lines(sys.stdin.buffer, input_name(path), max_line_bytes)
+        with open(path, "rb") as stream:
+            return read_lines(stream, input_name(path), max_line_bytes)
     except FileNotFoundError:
         raise PagecliError(f"Input file '{path}' does not exist.") from None
     except IsADirectoryError:
         raise PagecliError(f"Input '{path}' is a directory; pass a .jsonl or .txt file.") from None
     except OSError as exc:
         raise PagecliError(f"Cannot read input '{path}': {exc.strerror or exc}.") from None
-    return split_lines(data)
-
-
-def split_lines(data: bytes) -> list[str]:
-    """Lines as a file's line numbers count them: split at b"\\n" only, not at every character that
-    str.splitlines() takes for a line end (U+2028, U+0085, \\x0c, a lone \\r)."""
-    if data.startswith(_BOM):
-        data = data[len(_BOM):]
-    lines = data.decode("utf-8", errors="replace").split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the input's last line break ends a line; it does not start one
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def detect_format(path: str, lines: list[str], requested: str) -> str:
@@ -104,14 +100,17 @@ def detect_format(path: str, lines: list[str], requested: str) -> str:
     return "jsonl" if first.startswith("{") else "text"
 
 
+def line_digest(raw: str, fmt: str) -> str:
+    """What one input line asks, as a short digest: its text as read, and whether it was read as JSONL or text."""
+    return hashlib.sha256(f"{fmt}\n{raw}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def parse_requests(lines: list[str], fmt: str) -> Iterator[BatchRequest | BadLine]:
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        if fmt == "text":
-            yield BatchRequest(number, f"line-{number}", raw)
-        else:
-            yield parse_json_line(raw, number)
+        item = BatchRequest(number, f"line-{number}", raw) if fmt == "text" else parse_json_line(raw, number)
+        yield replace(item, line_sha256=line_digest(raw, fmt))
 
 
 def parse_json_line(raw: str, number: int) -> BatchRequest | BadLine:

@@ -29,6 +29,8 @@ _DEFAULT_HF_BATCH = 8
 
 JsonOpt = Annotated[Optional[str], typer.Option(
     "--json", help="Also write the figures as JSON (schema: docs/bench-json.md); '-' writes stdout.", metavar="FILE")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Overwrite a --json/--plot file even when it is not a report pagecli wrote.")]
 
 
 # --- bench memory -----------------------------------------------------------------------------
@@ -69,9 +71,11 @@ def memory(
     fork_tokens: Annotated[int, typer.Option(
         "--fork-tokens", help="New tokens per candidate or beam with --forks.", metavar="T")] = 64,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """What paging saves over contiguous reservation, from request lengths alone (no model run)."""
     from pagecli.bench.json_output import memory_document, write_json
+    from pagecli.bench.report_files import check_report_path
     from pagecli.bench.sharing import sharing_document
     from pagecli.bench.lengths import parse_lengths
     from pagecli.bench.memory import memory_report
@@ -80,6 +84,7 @@ def memory(
 
     if model and kv_bytes_per_token is not None:
         raise PagecliError("Give --model or --kv-bytes-per-token, not both.")
+    check_report_path(json_path, "json", force)
     _check_memory_flags(dtype, max_len)
     model_kv = None
     if model:
@@ -181,6 +186,7 @@ def run(
         "--warmup/--no-warmup", help="Run one tiny request first, so one-time costs do not count.")] = True,
     progress: Annotated[Optional[bool], typer.Option(
         "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Run a workload on the engine and report pool occupancy, fragmentation, prefix hits and speed.
 
@@ -188,6 +194,7 @@ def run(
     (on CPU, built-in workloads default to 16).
     """
     from pagecli.bench.plot import require_matplotlib
+    from pagecli.bench.report_files import check_report_path
 
     if compare not in (None, "hf"):
         raise PagecliError(f"--compare takes 'hf' (transformers generate), got '{compare}'.")
@@ -195,6 +202,8 @@ def run(
         raise PagecliError("--hf-batch-size must be at least 1.")
     if plot:
         require_matplotlib()
+    check_report_path(json_path, "json", force)
+    check_report_path(plot, "plot", force)
     settings = flags.settings(sampling_unless_given={"temperature": 0.0})
     o.refuse_candidates(settings, "bench run")
     max_tokens = flags.values["max_tokens"]

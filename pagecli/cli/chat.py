@@ -39,6 +39,10 @@ NoTruncateOpt = Annotated[bool, typer.Option(
     "--no-truncate", help="When the conversation outgrows max_model_len, refuse the message instead of "
                           "dropping the oldest turns.")]
 NoPoolOpt = Annotated[bool, typer.Option("--no-pool", help="Start with the block-pool panel hidden (/pool).")]
+MaxLineOpt = Annotated[int, typer.Option(
+    "--max-line-bytes", min=1, metavar="BYTES",
+    help="Longest input line read in plain mode (in UTF-8 bytes); a longer one ends the chat with an error.")]
+_MAX_LINE_BYTES = 4 << 20  # input_lines.DEFAULT_MAX_LINE_BYTES, written out so this module imports nothing more
 
 
 @app.command()
@@ -47,7 +51,7 @@ def chat(
     model_arg: ModelArg = None, flags: o.RunFlags = None,  # type: ignore[assignment] - filled by engine_flags
     system: SystemOpt = None, session: SessionOpt = None, resume: ResumeOpt = None,
     list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
-    no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False,
+    no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False, max_line_bytes: MaxLineOpt = _MAX_LINE_BYTES,
 ) -> None:
     """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
     from pagecli.chat import session as sessions
@@ -60,7 +64,7 @@ def chat(
     settings = flags.settings(model=model_arg)
     o.refuse_candidates(settings, "chat")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
-                    truncate=not no_truncate, pool_visible=not no_pool)
+                    truncate=not no_truncate, pool_visible=not no_pool, max_line_bytes=max_line_bytes)
     if code:
         raise typer.Exit(code)
 
@@ -76,7 +80,8 @@ def _print_sessions(listing: SessionListing) -> None:
 
 
 def run_chat(settings: o.RunSettings, system: str | None, session: str | None, resume: str | None,
-             input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool) -> int:
+             input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
+             max_line_bytes: int = _MAX_LINE_BYTES) -> int:
     """Load the model, then chat on the screen or in plain mode; returns the exit code.
 
     A named session is locked before the model loads (a second chat on it is refused at once, naming
@@ -89,7 +94,7 @@ def run_chat(settings: o.RunSettings, system: str | None, session: str | None, r
     lock = sessions.lock_session(name) if name else None
     try:
         conversation = _starting_conversation(session, resume, system)
-        return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible)
+        return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible, max_line_bytes)
     finally:
         if lock is not None:
             lock.release()
@@ -111,7 +116,8 @@ def _starting_conversation(session: str | None, resume: str | None, system: str 
 
 
 def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None, lock: SessionLock | None,
-          input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool) -> int:
+          input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
+          max_line_bytes: int = _MAX_LINE_BYTES) -> int:
     from pagecli.chat.controller import ChatOptions
     from pagecli.engine import Engine
     from pagecli.ui.progress import say
@@ -126,7 +132,7 @@ def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None,
     options = ChatOptions(truncate=truncate, session_name=name, autosave=name is not None, model_name=settings.model)
     try:
         if plain:
-            return _run_plain(engine, settings, conversation, options, lock, source, jsonl)
+            return _run_plain(engine, settings, conversation, options, lock, source, jsonl, max_line_bytes)
         return _run_screen(engine, settings, conversation, options, lock, pool_visible)
     finally:
         close = getattr(engine, "close", None)  # finishes the disk prefix store's pending writes
@@ -144,14 +150,14 @@ def _open_input(input_path: str | None) -> TextIO:
 
 
 def _run_plain(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
-               lock: SessionLock | None, source: TextIO, jsonl: bool) -> int:
+               lock: SessionLock | None, source: TextIO, jsonl: bool, max_line_bytes: int = _MAX_LINE_BYTES) -> int:
     from pagecli.chat.controller import ChatController
     from pagecli.chat.plain import PlainView, input_entries
 
     controller = ChatController(engine, settings.sampling, PlainView(sys.stdout, sys.stderr, jsonl),
                                 conversation, options, lock)
     try:
-        controller.run(input_entries(source))
+        controller.run(input_entries(source, max_line_bytes))
     finally:
         controller.close()
         if source is not sys.stdin:

@@ -12,10 +12,11 @@ from typing import Any
 
 from pagecli.chat.turn import StopFlag
 from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests, sampling_with
+from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES
 from pagecli.cli.line_results import LineResults
 from pagecli.cli.line_tools import record_fields
 from pagecli.cli.options import RunSettings
-from pagecli.cli.results_file import plan_resume, scan_output
+from pagecli.cli.results_file import RunIdentity, plan_resume, scan_output, settings_digest
 from pagecli.cli.results_writer import ResultWriter, open_results
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError, request_failure
@@ -30,18 +31,26 @@ def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) ->
 
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
-                 progress: bool | None, retry_errors: bool = False, cluster: Any = None) -> int:
+                 progress: bool | None, retry_errors: bool = False, cluster: Any = None,
+                 force_restart: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """Runs every input line without a result in the output (with `retry_errors`, also those whose result
-    is an error); the exit code: 0, 1 when every line run failed, 130 when interrupted. With `cluster`
-    (pagecli.cluster.launch.ClusterOptions) the lines run on Ray workers; reading and writing are the same."""
-    items = read_requests(input_path, fmt)
-    lines = [it.line for it in items]
+    is an error; with `force_restart`, every line, the output emptied first); the exit code: 0, 1 when every
+    line run failed, 130 when interrupted. With `cluster` (pagecli.cluster.launch.ClusterOptions) the lines run
+    on Ray workers; reading and writing are the same. An output that answers another input or other settings
+    is refused (results_file.check_answers)."""
+    if force_restart and retry_errors:
+        raise PagecliError("--force-restart runs every line again; leave out --retry-errors.")
+    items = read_requests(input_path, fmt, max_line_bytes)
+    identity = run_identity(items, input_path, settings)
     # Checked before the lock is taken, so a finished output in a read-only folder needs no lock file.
-    plan = plan_resume(scan_output(output_path, input_path), lines, retry_errors)
-    if plan.settled and not plan.todo:
-        say(_nothing_to_do(len(items), input_path, output_path, retry_errors))
-        return 0
-    with open_results(output_path, input_path, lines, retry_errors) as writer:
+    if not force_restart:
+        plan = plan_resume(scan_output(output_path, input_path), identity, retry_errors)
+        if plan.settled and not plan.todo:
+            _say_unchecked(plan.unchecked, input_path, output_path)
+            say(_nothing_to_do(len(items), input_path, output_path, retry_errors))
+            return 0
+    with open_results(output_path, input_path, identity, retry_errors, force_restart) as writer:
+        _say_unchecked(writer.plan.unchecked, input_path, output_path)
         todo = [it for it in items if it.line in writer.plan.todo]
         if not todo:  # every result was saved; a killed run left them to be put in order
             writer.finish()
@@ -54,6 +63,19 @@ def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: 
 
             return run_on_cluster(settings, todo, writer, progress, cluster)
         return _generate(settings, todo, writer, progress)
+
+
+def run_identity(items: list[BatchRequest | BadLine], input_path: str, settings: RunSettings) -> RunIdentity:
+    """What this run's records answer: each line's digest and id, and the sampling settings' digest."""
+    return RunIdentity(input_name(input_path), {it.line: it.line_sha256 for it in items},
+                       {it.line: it.request_id for it in items}, settings_digest(settings.sampling))
+
+
+def _say_unchecked(count: int, input_path: str, output_path: str) -> None:
+    if count:
+        say(f"Note: {count} results in '{output_path}' were written by an older pagecli that did not record "
+            f"their input; they are kept because their ids match {input_name(input_path)}. Pass --force-restart "
+            "if they came from another input or other settings.", style="yellow")
 
 
 def _nothing_to_do(count: int, input_path: str, output_path: str, retry_errors: bool) -> str:

@@ -1,24 +1,37 @@
-"""What a `pagecli generate` output holds, whether pagecli may write to it, and what is left to run.
+"""What a `pagecli generate` output holds, whether pagecli may write to it, whether it answers this run's
+input and settings, and what is left to run.
 
 pagecli owns an output only if it is absent, empty, or a pagecli results file: every complete line a
 result record (an int `line`, a string `id`, and `text` with `finish_reason`, `choices` of those, or
 `error`), and a last line without its newline, if there is one, the start of a record (what a killed
 run was writing).
-The output is never the input. This module only reads: nothing is written, cut or appended before
-`scan_output` has accepted the file. Besides the output lies its journal, OUTPUT.partial: records a
-run finished before the ones ahead of them in input order (results_writer.py writes both).
+The output is never the input, and the input is never one of its side files (side_files.py). This module
+only reads: nothing is written, cut or appended before `scan_output` has accepted the file. Beside the
+output lies its journal, OUTPUT.pagecli-journal: records a run finished before the ones ahead of them in
+input order (results_writer.py writes both).
+
+Every record carries what it answers (`RunIdentity`): `line_sha256`, a digest of its input line (and the
+input's format), and `settings_sha256`, a digest of the run's sampling settings. A resume is refused when a
+record answers another line or other settings. Records written before pagecli stamped them have neither;
+they are kept only when their `id` is the one the input gives their line, and the run says it could not
+check more.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from dataclasses import MISSING
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
+from pagecli.cli.side_files import journal_path, lock_path, read_journal
+from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError
 
 RECORD_START = b'{"id": '  # every record pagecli writes begins so; a cut-off last line that does not is not ours
@@ -45,8 +58,31 @@ def encode_record(record: dict[str, Any]) -> bytes:
         return (json.dumps(record) + "\n").encode("ascii")
 
 
-def journal_path(output: Path) -> Path:
-    return output.with_name(output.name + ".partial")
+def settings_digest(sampling: SamplingParams) -> str:
+    """A digest of the sampling settings that differ from their defaults (so a setting added later, left at
+    its default, does not change it): two runs with the same digest choose tokens alike."""
+    changed = {}
+    for f in dataclass_fields(sampling):
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        value = getattr(sampling, f.name)
+        if value != default:
+            changed[f.name] = value
+    text = json.dumps(changed, sort_keys=True, default=repr, ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What this run answers: each input line's digest and request id, and its settings' digest."""
+
+    input_name: str  # for messages: 'in.jsonl' or stdin
+    line_sha256: dict[int, str]  # input line -> batch_io.line_digest of it
+    request_ids: dict[int, str]  # input line -> the id its record carries
+    settings_sha256: str
+
+    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        """`record` with what it answers, as the last fields (a record still begins with its id)."""
+        return {**record, "line_sha256": self.line_sha256[record["line"]], "settings_sha256": self.settings_sha256}
 
 
 @dataclass(frozen=True)
@@ -58,6 +94,8 @@ class SavedRecords:
     error_lines: frozenset[int] = frozenset()  # lines whose record is an error
     complete_bytes: int = 0  # bytes of whole lines; what lies beyond is a cut-off record
     size_bytes: int = 0
+    # input line -> (its record's id, line_sha256, settings_sha256); the digests are None in an older record
+    answers: dict[int, tuple[str, str | None, str | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,14 +121,13 @@ def scan_output(output: str, input_path: str) -> OutputScan:
         raise PagecliError(f"Output '{output}' is a directory; pass a file path.")
     if info is not None and not stat.S_ISREG(info.st_mode):
         return OutputScan(output, path, resumable=False)  # /dev/null, a pipe: nothing to resume from
+    _refuse_the_input(path, input_path, output)
     records = SavedRecords()
     if info is not None:
-        _refuse_the_input(info, input_path, output)
         records = parse_records(_read(path, output), output, strict=True)
-    journal = journal_path(path)  # a run killed before its first record in order leaves only the journal
-    found = journal.is_file()
-    saved = parse_records(_read(journal, str(journal)), str(journal), strict=False) if found else SavedRecords()
-    return OutputScan(output, path, True, records, saved, found)
+    journal = read_journal(path)  # a run killed before its first record in order leaves only the journal
+    saved = SavedRecords() if journal is None else parse_records(journal, str(journal_path(path)), strict=False)
+    return OutputScan(output, path, True, records, saved, journal is not None)
 
 
 def parse_records(data: bytes, name: str, strict: bool) -> SavedRecords:
@@ -103,6 +140,7 @@ def parse_records(data: bytes, name: str, strict: bool) -> SavedRecords:
     by_line: dict[int, bytes] = {}
     order: list[int] = []
     errors: set[int] = set()
+    answers: dict[int, tuple[str, str | None, str | None]] = {}
     for number, raw in enumerate(complete.split(b"\n")[:-1], start=1):
         record, problem = _read_record(raw)
         if record is None:
@@ -113,7 +151,13 @@ def parse_records(data: bytes, name: str, strict: bool) -> SavedRecords:
         by_line[line] = raw + b"\n"
         order.append(line)
         (errors.add if "error" in record else errors.discard)(line)
-    return SavedRecords(by_line, tuple(order), frozenset(errors), len(complete), len(data))
+        answers[line] = (record["id"], _text_or_none(record.get("line_sha256")),
+                         _text_or_none(record.get("settings_sha256")))
+    return SavedRecords(by_line, tuple(order), frozenset(errors), len(complete), len(data), answers)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _read_record(raw: bytes) -> tuple[dict[str, Any] | None, str]:
@@ -148,14 +192,21 @@ def _not_ours(name: str, line: int, problem: str) -> PagecliError:
     )
 
 
-def _refuse_the_input(output_info: os.stat_result, input_path: str, output: str) -> None:
+def _refuse_the_input(output: Path, input_path: str, name: str) -> None:
+    """PagecliError when the input is the output or one of the output's side files, by any path."""
     try:
         input_info = os.fstat(sys.stdin.fileno()) if input_path == "-" else os.stat(input_path)
     except (OSError, ValueError, AttributeError):
         return  # stdin without a file behind it (a test's, a closed one) cannot be the output
-    if (input_info.st_dev, input_info.st_ino) == (output_info.st_dev, output_info.st_ino):
-        raise PagecliError(f"The output '{output}' is the input file; results would overwrite the requests. "
-                           "Choose another -o.")
+    for path, what in ((output, "is the input file; results would overwrite the requests"),
+                       (journal_path(output), "keeps its journal in the input file"),
+                       (lock_path(output), "keeps its lock in the input file")):
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        if (input_info.st_dev, input_info.st_ino) == (info.st_dev, info.st_ino):
+            raise PagecliError(f"The output '{name}' {what}. Choose another -o.")
 
 
 def _stat(path: Path, name: str) -> os.stat_result | None:
@@ -183,9 +234,13 @@ class ResumePlan:
     records: dict[int, bytes]  # results so far: the output's, then the journal's (newer) on top
     in_place: bool  # new records are appended to the output in input order; else it is rewritten at the end
     settled: bool  # the output is already the final file: nothing to run, merge, cut or reorder
+    unchecked: int = 0  # kept records older than line digests: their ids match, their text could not be checked
 
 
-def plan_resume(scan: OutputScan, input_lines: list[int], retry_errors: bool) -> ResumePlan:
+def plan_resume(scan: OutputScan, identity: RunIdentity, retry_errors: bool) -> ResumePlan:
+    """The plan for this run, once every saved record answers this run's input and settings (`check_answers`)."""
+    unchecked = check_answers(scan, identity)
+    input_lines = list(identity.line_sha256)
     output, journal = scan.output, scan.journal
     records = {**output.by_line, **journal.by_line}
     errors = (output.error_lines - journal.by_line.keys()) | journal.error_lines
@@ -197,4 +252,29 @@ def plan_resume(scan: OutputScan, input_lines: list[int], retry_errors: bool) ->
     in_order = ascending and not replaced and (not output.order or not to_append or output.order[-1] < min(to_append))
     settled = in_order and not to_append and not scan.journal_found and output.complete_bytes == output.size_bytes
     kept = sum(1 for line in input_lines if line in records and line not in todo)
-    return ResumePlan(todo, kept, records, in_order, settled)
+    return ResumePlan(todo, kept, records, in_order, settled, unchecked)
+
+
+def check_answers(scan: OutputScan, identity: RunIdentity) -> int:
+    """A PagecliError when the output or its journal holds a result for another input line or other sampling
+    settings than this run's; else the number of older records (no digests) kept because their ids match."""
+    unchecked = set()
+    for line, (request_id, line_sha, settings_sha) in {**scan.output.answers, **scan.journal.answers}.items():
+        expected = identity.line_sha256.get(line)
+        if expected is None:
+            raise _answers_other(scan.name, f"it holds a result for line {line}, and {identity.input_name} has "
+                                            f"no request on line {line}", "the input")
+        if line_sha is None and request_id == identity.request_ids[line]:
+            unchecked.add(line)
+        elif line_sha != expected:
+            raise _answers_other(scan.name, f"its result for line {line} answers another request than line {line} "
+                                            f"of {identity.input_name}", "the input")
+        elif settings_sha != identity.settings_sha256:
+            raise _answers_other(scan.name, "its results were made with other sampling settings than this run's "
+                                            "(temperature, seed, max_tokens, stop, ...)", "the settings")
+    return len(unchecked)
+
+
+def _answers_other(name: str, why: str, made_from: str) -> PagecliError:
+    return PagecliError(f"'{name}' holds results of another run: {why}. Resume it only with {made_from} it was "
+                        "made from; pass --force-restart to run every line again into it, or choose a new -o.")

@@ -1,13 +1,15 @@
 """Writing `pagecli generate` results so that a kill loses at most the requests in flight.
 
 Invariants, for an output that is a regular file:
-- One run at a time: an exclusive flock on OUTPUT.lock, held for the run; the kernel drops it when the
-  process dies, so a killed run never blocks the next one. The holder's pid is written into it.
-- Every finished record is, before `save` returns, fsynced in the output or in the journal
-  (OUTPUT.partial). The output only ever grows by the next record in input order, so it always is
-  whole lines in input order; records that finish ahead of their turn wait in the journal.
+- One run at a time: an exclusive flock on OUTPUT.pagecli-lock, held for the run (side_files.py); the kernel
+  drops it when the process dies, so a killed run never blocks the next one.
+- Every finished record is stamped with what it answers (results_file.RunIdentity) and, before `save`
+  returns, fsynced in the output or in the journal (OUTPUT.pagecli-journal). The output only ever grows by
+  the next record in input order, so it always is whole lines in input order; records that finish ahead of
+  their turn wait in the journal.
 - Each line is one os.write of the whole line; a failed write is cut back to the last whole line.
-- The journal is removed only once the output holds, in input order, everything it held; when
+- The journal is removed only once the output holds, in input order, everything it held, and the lock
+  when the run ends; neither is ever a file pagecli did not make (side_files.py). When
   records cannot be appended in order (--retry-errors, an output out of order), the output is
   rewritten at the end: a temp file in the same folder, then os.replace.
 stdout, /dev/null or a pipe get the records in input order and are not resumed from.
@@ -24,48 +26,11 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
-from pagecli.cli.results_file import OutputScan, ResumePlan, encode_record, journal_path, plan_resume, scan_output
+from pagecli.cli.results_file import (OutputScan, ResumePlan, RunIdentity, encode_record, plan_resume,
+                                      scan_output)
+from pagecli.cli.side_files import (JOURNAL_HEADER, OutputLock, create_exclusive, journal_path, open_existing,
+                                    remove_if_same)
 from pagecli.errors import PagecliError
-
-
-class OutputLock:
-    """This run's exclusive hold on one output; acquiring fails at once when another process has it."""
-
-    def __init__(self, output: Path, name: str) -> None:
-        self.path = output.with_name(output.name + ".lock")
-        self.name = name
-        self._lock = FileLock(str(self.path), timeout=0)
-
-    def __enter__(self) -> OutputLock:
-        holder = self._holder()  # read first: older filelock versions truncate the file when a contender opens it
-        try:
-            self._lock.acquire()
-        except Timeout:
-            raise PagecliError(f"Another pagecli run is writing '{self.name}' ({holder}); wait for it to finish, "
-                               "or choose another -o.") from None
-        except OSError as exc:
-            raise PagecliError(f"Cannot create the lock file '{self.path}' beside the output: "
-                               f"{exc.strerror or exc}; choose an -o in a folder you can write to.") from None
-        with suppress(OSError):  # the pid only makes a clash's message more useful
-            fd = os.open(self.path, os.O_WRONLY)
-            try:
-                pid = f"{os.getpid()}\n".encode()
-                os.pwrite(fd, pid, 0)
-                os.ftruncate(fd, len(pid))
-            finally:
-                os.close(fd)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()  # the lock file stays, as filelock advises: unlinking it races with a contender
-
-    def _holder(self) -> str:
-        try:
-            return f"process {int(self.path.read_text(encoding='ascii').strip())}"
-        except (OSError, ValueError):
-            return "its process id is unknown"
 
 
 def append_line(fd: int, data: bytes, name: str, regular: bool) -> None:
@@ -109,8 +74,9 @@ def write_stdout(data: bytes) -> None:
 class ResultWriter:
     """Saves each finished record (see the module's invariants) and makes the output final at the end."""
 
-    def __init__(self, scan: OutputScan, plan: ResumePlan) -> None:
+    def __init__(self, scan: OutputScan, plan: ResumePlan, identity: RunIdentity) -> None:
         self.name = scan.name
+        self.identity = identity
         self.path = scan.path
         self.resumable = scan.resumable
         self.plan = plan
@@ -120,7 +86,8 @@ class ResultWriter:
         self._next = 0  # index into _pending of the next line the output needs
         self._output_fd: int | None = None
         self._journal_fd: int | None = None
-        self._journal_complete_bytes = scan.journal.complete_bytes
+        self._journal_found = scan.journal_found
+        self._journal_complete_bytes = len(JOURNAL_HEADER) + scan.journal.complete_bytes
         if self.resumable and plan.in_place:
             if self.path.exists():  # type: ignore[union-attr]
                 self._output()  # a file we may not write fails now, not after the model has loaded
@@ -128,7 +95,7 @@ class ResultWriter:
             self._advance()
 
     def save(self, record: dict[str, Any]) -> None:
-        data = encode_record(record)
+        data = encode_record(self.identity.stamp(record))
         line = record["line"]
         self._records[line] = data
         self.saved += 1
@@ -145,9 +112,8 @@ class ResultWriter:
         elif self._next < len(self._pending):
             return  # not all saved: the journal keeps the rest for the next run
         if self.resumable:
+            self._drop_journal()
             self.close()
-            with suppress(FileNotFoundError):
-                journal_path(self.path).unlink()  # type: ignore[arg-type]
 
     def close(self) -> None:
         for fd in (self._output_fd, self._journal_fd):
@@ -169,10 +135,21 @@ class ResultWriter:
             self._output_fd = self._open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # type: ignore[arg-type]
         return self._output_fd
 
+    def _drop_journal(self) -> None:
+        """Removes the journal, ours (the one this run made or adopted), now that the output holds it all."""
+        journal = journal_path(self.path)  # type: ignore[arg-type]
+        if self._journal_fd is None and self._journal_found:
+            self._journal_fd = open_existing(journal, os.O_RDONLY, JOURNAL_HEADER, "journal")
+        if self._journal_fd is not None:
+            remove_if_same(journal, self._journal_fd)
+
     def _journal(self) -> int:
         if self._journal_fd is None:
             journal = journal_path(self.path)  # type: ignore[arg-type]
-            self._journal_fd = self._open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            found = open_existing(journal, os.O_RDWR | os.O_APPEND, JOURNAL_HEADER, "journal") \
+                if self._journal_found else None
+            self._journal_fd = found if found is not None else create_exclusive(journal, JOURNAL_HEADER, "journal")
+            self._journal_found = True
             try:
                 os.ftruncate(self._journal_fd, self._journal_complete_bytes)  # a record cut off by a kill
             except OSError as exc:
@@ -217,6 +194,21 @@ class ResultWriter:
             os.close(fd)
 
 
+def _start_over(scan: OutputScan) -> None:
+    """Empties the output (a pagecli results file: scan_output said so) and removes its journal."""
+    path: Path = scan.path  # type: ignore[assignment]
+    try:
+        if scan.output.size_bytes:
+            os.truncate(path, 0)
+    except OSError as exc:
+        raise write_failed(scan.name, exc) from None
+    if scan.journal_found:
+        fd = open_existing(journal_path(path), os.O_RDONLY, JOURNAL_HEADER, "journal")
+        if fd is not None:
+            remove_if_same(journal_path(path), fd)
+            os.close(fd)
+
+
 def _sync_folder(folder: Path) -> None:
     """Makes a rename in `folder` survive a power cut (best effort: some file systems refuse)."""
     with suppress(OSError):
@@ -228,13 +220,18 @@ def _sync_folder(folder: Path) -> None:
 
 
 @contextmanager
-def open_results(output: str, input_path: str, input_lines: list[int], retry_errors: bool) -> Iterator[ResultWriter]:
-    """The run's writer for `output`: a regular file is locked for the run and checked again under the lock."""
+def open_results(output: str, input_path: str, identity: RunIdentity, retry_errors: bool,
+                 force_restart: bool = False) -> Iterator[ResultWriter]:
+    """The run's writer for `output`: a regular file is locked for the run and checked again under the lock.
+    `force_restart` empties a pagecli results file (and drops its journal) before running every line."""
     scan = scan_output(output, input_path)
     with OutputLock(scan.path, output) if scan.resumable else nullcontext():  # type: ignore[arg-type]
         if scan.resumable:
             scan = scan_output(output, input_path)  # it may have changed before the lock was ours
-        writer = ResultWriter(scan, plan_resume(scan, input_lines, retry_errors))
+            if force_restart:
+                _start_over(scan)
+                scan = scan_output(output, input_path)
+        writer = ResultWriter(scan, plan_resume(scan, identity, retry_errors), identity)
         try:
             yield writer
         finally:

@@ -28,6 +28,7 @@ DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, c
 DEFAULT_KV_BUDGET_GIB = 0.75
 MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte count overflows a float
 MAX_CANDIDATES = 256  # n per request: more is a typo, and each candidate is a running sequence
+MAX_LENGTH_PENALTY = 10.0  # beams score by generated_len ** length_penalty: finite for any length (1e6 ** 10)
 MAX_THREADS = 1024  # more than the largest machines' cores; torch would try to start them all
 
 
@@ -182,6 +183,8 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         _require(1 <= self.beam_width <= MAX_CANDIDATES,
                  f"beam_width must be between 1 and {MAX_CANDIDATES} (got {self.beam_width}).")
+        _require(abs(self.length_penalty) <= MAX_LENGTH_PENALTY, f"length_penalty must be between "
+                 f"-{MAX_LENGTH_PENALTY:g} and {MAX_LENGTH_PENALTY:g} (got {self.length_penalty:g}).")
         _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
                  f"early_stopping must be true, false or \"never\" (got {self.early_stopping!r}).")
         if self.beam_width == 1:

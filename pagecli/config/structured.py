@@ -92,11 +92,19 @@ def spec_from_response_format(response_format: Any) -> StructuredSpec | None:
     return StructuredSpec.json_schema(inner["schema"])
 
 
+MAX_SCHEMA_FILE_BYTES = 16 << 20
+
+
 def spec_from_schema_file(path: str) -> StructuredSpec:
     """`--json-schema FILE` and chat's `/format FILE`: a JSON schema, or an OpenAI `response_format` object
     holding one. A file that cannot be read or is no schema is one sentence naming it."""
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
+        with open(Path(path).expanduser(), "rb") as schema_file:
+            data = schema_file.read(MAX_SCHEMA_FILE_BYTES + 1)  # bounded: /dev/zero is a file too
+        if len(data) > MAX_SCHEMA_FILE_BYTES:
+            raise PagecliError(f"JSON schema file '{path}' is larger than {MAX_SCHEMA_FILE_BYTES >> 20} MiB; a "
+                               "schema that large is not one pagecli compiles.")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise PagecliError(f"JSON schema file '{path}' does not exist.") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagecli.paths import make_private_dir
-from pagecli.store.files import INDEX_NAME, remove_blob
+from pagecli.store.files import INDEX_NAME, blob_file, remove_blob
 from pagecli.store.pruning import plan_prune
 
 SCHEMA_VERSION = "1"
@@ -247,7 +247,8 @@ class StoreIndex:
                 "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + excluded.value", (str(num_rows),))
 
     def _remove_blobs(self, paths: Iterable[str]) -> None:
-        """Delete blob files; called inside a write transaction (see the invariants)."""
+        """Delete blob files; called inside a write transaction (see the invariants). A path that is not
+        the store's own (files.blob_file) is left alone: only its row goes."""
         for rel_path in paths:
             remove_blob(self.root, rel_path)
 
@@ -313,7 +314,8 @@ class StoreIndex:
         """Delete the row of a bad blob (and the blob); False if there was nothing to drop: the row
         is gone (pruned meanwhile), or a blob reported missing is back (written again meanwhile)."""
         with self.write():
-            if missing and (self.root / blob_path).is_file():
+            path = blob_file(self.root, blob_path)  # None: a path outside the store, never looked at
+            if missing and path is not None and path.is_file():
                 return False
             cursor = self.conn.execute("DELETE FROM blocks WHERE block_hash = ? AND blob_path = ?",
                                        (block_hash, blob_path))

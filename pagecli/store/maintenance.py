@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pagecli.errors import PagecliError
-from pagecli.store.files import INDEX_NAME, checksum_file, iter_blob_files, sweep_orphans
+from pagecli.store.files import INDEX_NAME, blob_file, checksum_file, iter_blob_files, sweep_orphans
 from pagecli.store.index import (
     IndexCorrupt, ModelSummary, StoreIndex, StoreLocked, StoreUnavailable, open_index, translate_errors,
 )
@@ -213,8 +213,10 @@ def check(root: Path) -> list[str]:
     named = set()
     for row in rows:
         named.add(row.blob_path)
-        path = root / row.blob_path
-        if not path.is_file():
+        path = blob_file(root, row.blob_path)
+        if path is None:
+            problems.append(f"a row names a path outside the store: {row.blob_path}")
+        elif not path.is_file():
             problems.append(f"missing blob {row.blob_path}")
         elif checksum_file(path) != row.checksum:
             problems.append(f"checksum mismatch {row.blob_path}")

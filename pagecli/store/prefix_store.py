@@ -2,6 +2,8 @@
 
 Nothing here raises into the engine, and a fault does not turn the store off for good:
 - a bad blob (missing, truncated, altered) is dropped from the index when a read meets it, and
+  so is a row naming a path that is not the store's own (files.blob_file: its target is never
+  opened or removed); and
   a row whose blob file is gone is dropped when a write asks whether the block is stored, so
   the next persist writes the block again;
 - a corrupt index is moved aside and an empty one started; an index deleted or replaced while
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pagecli.store.blobs import BadBlob, BlockGeometry, decode_block, encode_block
-from pagecli.store.files import blob_rel_path, checksum, remove_blob, write_atomic
+from pagecli.store.files import blob_file, blob_rel_path, checksum, remove_blob, write_atomic
 from pagecli.store.index import (
     IndexCorrupt, IndexedBlock, StoreIndex, StoreLocked, StoreUnavailable, encode_token_ids, open_index, reset_index,
     translate_errors,
@@ -152,8 +154,12 @@ class PrefixStore:
         head_dim]; None if the first is bad. A bad blob ends the run: it is dropped and reported once."""
         blocks: list[torch.Tensor] = []
         for entry in run:
+            path = blob_file(self.root, entry.blob_path)
+            if path is None:  # a row naming a file outside the store: dropped, the file never opened
+                self._drop_bad(entry, "its blob path is not in the store", missing=False)
+                break
             try:
-                data = (self.root / entry.blob_path).read_bytes()
+                data = path.read_bytes()
                 blocks.append(decode_block(data, entry.checksum, entry.block_hash, self.geometry))
             except FileNotFoundError:
                 self._drop_bad(entry, "its blob file is missing", missing=True)
@@ -203,7 +209,8 @@ class PrefixStore:
         the block counts as not stored and is written again."""
         present: set[bytes] = set()
         for block_hash, blob_path in index.blob_paths(hashes).items():
-            if (self.root / blob_path).is_file():
+            path = blob_file(self.root, blob_path)
+            if path is not None and path.is_file():
                 present.add(block_hash)
             elif index.drop(block_hash, blob_path, missing=True):
                 self._count_bad_entry("its blob file is missing", blob_path)
