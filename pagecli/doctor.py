@@ -290,7 +290,18 @@ def _default_run(torch: Any) -> list[Finding]:
         Finding("default run", "attention", f"{backend.name} (--attention {config.attention}): {backend_why}"),
         Finding("default run", "dtype", f"{dtype_name} (--dtype {config.dtype}): {dtype_why}"),
         Finding("default run", "weights", f"--quantize {config.quantize}: {weights}"),
+        Finding("default run", "sampling", _default_sampling(device.type)),
     ]
+
+
+def _default_sampling(device_type: str) -> str:
+    """The shipped profile's sampling, and what draws the tokens."""
+    from pagecli.config.profiles import load_profile
+
+    sampling = load_profile(None).sampling_params()
+    how = ("tensor operations on the GPU" if device_type == "cuda" else
+           "pagecli's CPU kernel where built (no sort of the vocabulary), else tensor operations")
+    return f"temperature {sampling.temperature}, top_p {sampling.top_p} (the default profile): drawn by {how}"
 
 
 def _default_model_stored_dtype() -> str:

@@ -491,3 +491,13 @@ def test_bench_memory_reads_the_embedded_models_config_without_running_it():
     text = invoke("bench", "memory", "--model", "default", "--lengths", "800,2300,3900", "--max-len", "4096",
                   "--budget", "8GiB", "--dtype", "float32")
     assert "46,080 KV bytes per token" in text  # 30 layers x 3 KV heads x 64 x 2 x 4 bytes
+
+
+def test_bench_run_says_which_sampling_it_ran():
+    from pagecli.cli.bench import sampling_description
+    from pagecli.config import SamplingParams
+
+    assert sampling_description([SamplingParams(temperature=0)] * 2) == "greedy"
+    assert sampling_description([SamplingParams(temperature=0.7, top_p=0.95)]) == "temperature 0.7, top_p 0.95"
+    assert sampling_description([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=40)]) == \
+        "mixed: greedy; temperature 1, top_k 40"

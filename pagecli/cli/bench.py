@@ -283,6 +283,20 @@ def file_workload(path: str, base: SamplingParams, count: int | None, max_tokens
     return Workload(path, tuple(requests))
 
 
+def sampling_description(samplings: list[SamplingParams]) -> str:
+    """How a workload's requests choose tokens, in a few words: greedy, or the sampling settings."""
+    def one(s: SamplingParams) -> str:
+        if s.greedy:
+            return "greedy"
+        parts = [f"temperature {s.temperature:g}"]
+        parts += [f"{name} {getattr(s, name):g}" for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+                  if getattr(s, name) != off]
+        return ", ".join(parts)
+
+    kinds = sorted({one(s) for s in samplings})
+    return kinds[0] if len(kinds) == 1 else "mixed: " + "; ".join(kinds)
+
+
 def check_comparable(workload: Workload) -> None:
     """--compare hf checks that both produce the same greedy tokens; settings that break that are refused."""
     for request in workload.requests:
@@ -313,7 +327,8 @@ def run_bench(settings: o.RunSettings, workload: Workload, json_path: str | None
                 for state in ("active", "cached", "free", "shared")}
     console = _console(json_path)
     print_view(run_view(summary, timeline, after.num_blocks, after.block_size, after.kv_bytes_per_block,
-                        after.max_model_len, after.device, after.dtype, after.attention_backend), console)
+                        after.max_model_len, after.device, after.dtype, after.attention_backend,
+                        sampling_description([r.sampling for r in workload.requests])), console)
     if comparison is not None:
         print_view(comparison_view(summary, comparison), console)
     if json_path:

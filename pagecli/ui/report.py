@@ -177,10 +177,12 @@ def _memory_notes(report: MemoryReport) -> Text:
 
 
 def run_view(summary: RunSummary, timeline: dict[str, Sequence[int]], num_blocks: int, block_size: int,
-             kv_bytes_per_block: int, max_model_len: int, device: str, dtype: str, backend: str) -> RenderableType:
+             kv_bytes_per_block: int, max_model_len: int, device: str, dtype: str, backend: str,
+             sampling: str | None = None) -> RenderableType:
     heading = Text.from_markup(
         f"[bold]bench run {summary.workload}[/]: {summary.num_requests} requests, {summary.prompt_tokens:,} prompt "
         f"and {summary.output_tokens:,} output tokens; {summary.model} on {device} ({dtype}, {backend} attention)"
+        + (f"; sampling: {sampling}" if sampling else "")
     )
     return Group(heading, _speed_table(summary), _pool_table(summary, timeline, num_blocks),
                  _run_memory_table(summary, num_blocks, block_size, kv_bytes_per_block, max_model_len),
