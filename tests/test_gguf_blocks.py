@@ -15,7 +15,7 @@ from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError, PagecliError
-from pagecli.models import gguf_blocks
+from pagecli.models import gguf_blocks, gguf_files
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
 from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS, round_activations
@@ -114,7 +114,7 @@ def test_q8_0_blocks_run_as_they_are_on_the_avx2_int8_kernel(level, rows, cols):
 
 
 def test_the_embedded_file_says_which_path_its_weights_take():
-    line = gguf_blocks.describe_path(default_model_gguf())
+    line = gguf_files.describe_path(default_model_gguf())
     assert line == "--quantize gguf runs Q4_1 x210 as they are"
 
 

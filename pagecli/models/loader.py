@@ -26,6 +26,7 @@ from pagecli.models.decoder import CausalLM
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
 from pagecli.models.tokenizer import GENERIC_TOKENIZER_CLASSES, load_plain_tokenizer
+from pagecli.native import cpu_has_bf16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,13 +68,6 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     if device.type == "cpu" and stored == torch.float16:
         return torch.float32  # float16 matmuls on CPU are slow and lose precision
     return stored
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
-    from pagecli.native import cpu_flags
-
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
 
 
 # Keys a config.json must carry for pagecli to read it without transformers' config classes, whose
