@@ -9,6 +9,9 @@ import json
 from pathlib import Path
 
 AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as they are; Q4_* run in 4 bits, Q8_0 requantized to int8
+# GGML's type ids (ggml.h, gguf.GGMLQuantizationType) of the types most files hold; a test keeps them equal.
+_COMMON_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+                      11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -25,13 +28,25 @@ def gguf_source(folder: Path) -> Path | None:
 def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
     """How many of the file's decoder-layer matrices each GGUF type holds (through the converted
     folder's index, gguf_index, where one is given)."""
-    from pagecli.models.gguf_index import read_tensors
+    from pagecli.models.gguf_index import tensor_entries
 
     counts: dict[str, int] = {}
-    for tensor in read_tensors(gguf_path, folder).values():
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    for name, (kind, _offset, _size, *shape) in tensor_entries(gguf_path, folder).items():
+        if name.startswith("blk.") and len(shape) == 2:
+            type_name = type_name_of(kind)
+            counts[type_name] = counts.get(type_name, 0) + 1
     return counts
+
+
+def type_name_of(kind: int) -> str:
+    """GGML's name for a tensor type id (gguf.GGMLQuantizationType's), the common ones without importing
+    gguf and numpy (0.2 s of `pagecli models`)."""
+    name = _COMMON_TYPE_NAMES.get(kind)
+    if name is None:
+        from gguf import GGMLQuantizationType
+
+        name = GGMLQuantizationType(kind).name
+    return name
 
 
 def describe_path(gguf_path: Path, folder: Path | None = None) -> str:

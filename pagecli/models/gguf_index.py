@@ -14,11 +14,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from pagecli.errors import ModelError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 INDEX_FILE = "gguf-tensors.json"
 _INDEX_VERSION = 1
@@ -49,11 +50,10 @@ def write_index(entries: dict[str, list[int]], gguf_path: Path, folder: Path) ->
     os.replace(temp, folder / INDEX_FILE)
 
 
-def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, IndexedTensor]:
-    """The file's tensors by name: through `folder`'s index where it holds one for this file (else by
-    GGUFReader, and the index is written there for next time, where the folder is writable)."""
-    from gguf import GGMLQuantizationType
-
+def tensor_entries(gguf_path: Path, folder: Path | None = None) -> dict[str, list[int]]:
+    """The file's index (index_entries): `folder`'s where it holds one for this file (plain JSON: neither
+    numpy nor gguf imported), else parsed by GGUFReader and written there for next time, where the folder
+    is writable."""
     entries = _stored_entries(gguf_path, folder) if folder is not None else None
     if entries is None:
         from pagecli.models.gguf_convert import _open_reader
@@ -64,6 +64,15 @@ def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, Index
                 write_index(entries, gguf_path, folder)
             except OSError:
                 pass  # a read-only cache: the next start parses the file again
+    return entries
+
+
+def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, IndexedTensor]:
+    """The file's tensors by name, their bytes views of one read-only memory map (tensor_entries)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    entries = tensor_entries(gguf_path, folder)
     mapping = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     tensors = {}
     for name, (kind, offset, size, *shape) in entries.items():
