@@ -12,15 +12,17 @@ import pytest
 
 HEAVY = ("torch", "transformers", "triton")
 NATIVE_PREFIX = "pagecli_cpu_ops_"  # the compiled kernels' module names (pagecli.native)
-PROBE = f"""
+# The libraries `--help`, `generate --help` and `models` need none of (about 0.3 s between them): typer
+# coerces values through pydantic, and the GGUF type names come without gguf and numpy.
+NOT_FOR_THE_FIRST_COMMANDS = ("pydantic", "numpy", "gguf", "click", "safetensors", "tokenizers", "jinja2")
+PROBE = """
 import sys
 from pagecli.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exit:
     code = exit.code
-heavy = [name for name in sys.modules if name in {HEAVY!r} or name.startswith({NATIVE_PREFIX!r})]
-print("HEAVY-MODULES:" + ",".join(sorted(heavy)), file=sys.stderr)
+print("TOP-LEVEL-MODULES:" + ",".join(sorted({name.split(".")[0] for name in sys.modules})), file=sys.stderr)
 sys.exit(code)
 """
 
@@ -49,14 +51,19 @@ ARGUMENT_ERRORS = [
 ]
 
 
-def heavy_modules_after(args: list[str]) -> tuple[list[str], subprocess.CompletedProcess]:
-    """Runs `pagecli ARGS` in a fresh interpreter; the heavy modules it imported, and the process."""
+def modules_after(args: list[str]) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Runs `pagecli ARGS` in a fresh interpreter; the top-level modules it imported, and the process."""
     run = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
-    marker = [line for line in run.stderr.splitlines() if line.startswith("HEAVY-MODULES:")]
+    marker = [line for line in run.stderr.splitlines() if line.startswith("TOP-LEVEL-MODULES:")]
     assert marker, run.stderr
-    names = marker[-1].removeprefix("HEAVY-MODULES:")
-    return (names.split(",") if names else []), run
+    return marker[-1].removeprefix("TOP-LEVEL-MODULES:").split(","), run
+
+
+def heavy_modules_after(args: list[str]) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Runs `pagecli ARGS` in a fresh interpreter; the heavy modules it imported, and the process."""
+    modules, run = modules_after(args)
+    return [name for name in modules if name in HEAVY or name.startswith(NATIVE_PREFIX)], run
 
 
 def _ids(commands: list[list[str]]) -> list[str]:
@@ -88,6 +95,13 @@ def test_argument_errors_import_no_torch(args, tmp_path):
     assert "Traceback" not in run.stderr and "Unexpected" not in run.stderr, run.stderr
     assert heavy == [], f"pagecli {' '.join(args)} imported {heavy}"
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["models"]], ids=" ".join)
+def test_the_first_commands_people_type_import_only_what_they_use(args):
+    modules, run = modules_after(args)
+    assert run.returncode == 0, run.stderr
+    assert [name for name in NOT_FOR_THE_FIRST_COMMANDS if name in modules] == []
 
 
 def test_the_probe_sees_torch_when_a_command_needs_it():

@@ -47,7 +47,9 @@ def _weights_path(gguf_path, folder) -> str:
 
     here = ("the converted floats by default here (bfloat16; --quantize auto runs the blocks in float32 runs)"
             if cpu_has_bf16() else "the blocks by default here (float32: --quantize auto; none: the converted floats)")
+    if not folder.is_dir():  # no index yet: parsing the file's header takes seconds, conversion writes one
+        return f"{here}; which run as they lie is listed once it is converted (pagecli models --prepare)"
     try:
-        return f"{here}; {gguf_files.describe_path(gguf_path, folder if folder.is_dir() else None)}"
+        return f"{here}; {gguf_files.describe_path(gguf_path, folder)}"
     except (ModelError, OSError) as error:
         return f"unreadable ({error})"

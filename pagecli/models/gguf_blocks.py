@@ -151,11 +151,13 @@ class GgufBlocks:
     (submodule, product) -> Int4Parts / Q8Parts / None (float) for layer i's four fused products."""
 
     def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int, folder: Path | None = None) -> None:
-        from pagecli.models.gguf_index import read_tensors
+        from pagecli.models.gguf_index import map_file, read_tensors
 
         self.path = gguf_path
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.tensors = read_tensors(gguf_path, folder)  # through the converted folder's index where it has one
+        self._mapping = map_file(gguf_path)
+        # Through the converted folder's index where it has one; the bytes view self._mapping.
+        self.tensors = read_tensors(gguf_path, folder, self._mapping)
 
     def layer(self, index: int) -> dict[tuple[str, str], Any]:
         products: dict[tuple[str, str], Any] = {}
@@ -168,13 +170,23 @@ class GgufBlocks:
                     raise ModelError(f"GGUF file '{self.path}' lacks blk.{index}.{name}.weight.")
                 tensors.append(tensor)
             products[(module, product)] = stacked_parts(tensors, [rotary_heads.get(name) for name in names])
+        self._release_pages()
         return products
+
+    def _release_pages(self) -> None:
+        """The parts are copies: the file's pages just read need not stay resident (100 MB of the embedded
+        model's start peak; gguf_index.release_pages)."""
+        from pagecli.models.gguf_index import release_pages
+
+        release_pages(self._mapping)
 
     def output(self) -> Int4Parts | Q8Parts | None:
         """The output layer's blocks: output.weight, or the tied token_embd.weight where the file has no
         output tensor (None for other types)."""
         tensor = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
-        return tensor_parts(tensor) if tensor is not None else None
+        parts = tensor_parts(tensor) if tensor is not None else None
+        self._release_pages()
+        return parts
 
 
 def auto_quantize(folder: Path, dtype: torch.dtype, ops: Any) -> str:
