@@ -34,7 +34,7 @@ HELP = [
     ["cache", "clear", "--help"], ["cache", "prune", "--help"],
 ]
 LISTINGS = [["models"], ["profiles"], ["cache"], ["cache", "ls"], ["cache", "stats"], ["cache", "ls", "--json"],
-            ["cache", "stats", "--json"]]
+            ["cache", "stats", "--json"], ["doctor", "--quick"], ["doctor", "--quick", "--json"]]
 ARGUMENT_ERRORS = [
     ["generate", "{missing}", "-o", "{out}"],
     ["generate", "{input}", "-o", "{input}"],
