@@ -1,7 +1,8 @@
 """What `pagecli doctor` reports: versions, GPU, CPU features, the native kernels, what a default run picks
 here and why, cache folders and the embedded model; what a user pastes into a bug report.
 
-Gathered without building kernels, compiling Triton or loading a model, so it answers in well under 3 s.
+Gathered without building kernels, compiling Triton or loading a model, so it answers in well under 3 s;
+`--quick` leaves out the sections that need torch (GPU, native kernels, default run) and answers in 0.3 s.
 Each finding is a `Finding`; one that points at a problem (or a missing capability) says what to do.
 """
 
@@ -49,21 +50,33 @@ class DoctorReport:
                            "findings": [asdict(f) for f in self.findings]}, indent=2)
 
 
-def gather() -> DoctorReport:
-    """Every finding, section by section; a section that raises becomes one problem line, not a crash."""
+def gather(quick: bool = False) -> DoctorReport:
+    """Every finding, section by section; a section that raises becomes one problem line, not a crash.
+    quick: only the sections that need no torch (versions from the packages' metadata, CPU, caches, the
+    embedded model), in a blink; GPU, native kernels and the default run are named as skipped."""
     start = time.perf_counter()
     findings: list[Finding] = []
-    import torch  # for its version, torch.cuda and the engine's selection rules; about 1 s when not yet imported
+    if quick:
+        sections: tuple[tuple[str, Callable[[], list[Finding]]], ...] = (
+            ("versions", lambda: _versions(None)),
+            ("cpu", _cpu),
+            ("caches", _caches),
+            ("embedded model", _embedded_model),
+            ("skipped", lambda: [Finding("skipped", "--quick", "gpu, native kernels, default run", NOTE,
+                                         "run `pagecli doctor` without --quick for them (imports torch: about 2 s)")]),
+        )
+    else:
+        import torch  # for its version, torch.cuda and the engine's selection rules; about 1 s when not yet imported
 
-    sections: tuple[tuple[str, Callable[[], list[Finding]]], ...] = (
-        ("versions", lambda: _versions(torch)),
-        ("gpu", lambda: _gpu(torch)),
-        ("cpu", _cpu),
-        ("native kernels", _native),
-        ("default run", lambda: _default_run(torch)),
-        ("caches", _caches),
-        ("embedded model", _embedded_model),
-    )
+        sections = (
+            ("versions", lambda: _versions(torch)),
+            ("gpu", lambda: _gpu(torch)),
+            ("cpu", _cpu),
+            ("native kernels", _native),
+            ("default run", lambda: _default_run(torch)),
+            ("caches", _caches),
+            ("embedded model", _embedded_model),
+        )
     for section, gather_section in sections:
         try:
             findings += gather_section()
@@ -84,17 +97,20 @@ def _version_of(distribution: str) -> str | None:
 
 
 def _versions(torch: Any) -> list[Finding]:
+    """torch None (--quick): torch's version from its package metadata, without importing it."""
     from pagecli import __version__
 
     findings = [
         Finding("versions", "pagecli", __version__),
         Finding("versions", "python", f"{platform.python_version()} ({sys.executable})"),
-        Finding("versions", "torch", torch.__version__),
     ]
-    for name in ("triton", "transformers"):
+    names = ("torch", "triton", "transformers") if torch is None else ("triton", "transformers")
+    if torch is not None:
+        findings.append(Finding("versions", "torch", torch.__version__))
+    for name in names:
         version = _version_of(name)
         if version is None:
-            needed = name == "transformers" or sys.platform == "linux"
+            needed = name in ("torch", "transformers") or sys.platform == "linux"
             findings.append(Finding("versions", name, "not installed", PROBLEM if needed else NOTE,
                                     f"pip install {name}" if needed else "triton runs on Linux only"))
         else:

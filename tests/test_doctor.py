@@ -36,6 +36,18 @@ def test_doctor_json_covers_every_section_within_three_seconds():
     assert all(f["action"] for f in report["findings"] if f["status"] != "ok")
 
 
+def test_quick_reports_what_needs_no_torch_and_names_what_it_skipped(capsys):
+    report = doctor.gather(quick=True)
+    assert [s for s in dict.fromkeys(f.section for f in report.findings)] == [
+        "versions", "cpu", "caches", "embedded model", "skipped"]
+    import torch
+
+    assert _find(report, "versions", "torch").value == torch.__version__
+    assert "default run" in _find(report, "skipped", "--quick").value
+    assert main(["doctor", "--quick"]) == (1 if report.problems else 0)
+    assert "\ncpu\n" in capsys.readouterr().out
+
+
 def test_gpu_line_says_why_the_gpu_path_is_unavailable_and_what_to_do():
     cpu_build = SimpleNamespace(__version__="2.13.0+cpu", version=SimpleNamespace(cuda=None))
     finding, compiler = doctor._gpu(cpu_build)

@@ -15,7 +15,7 @@ from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError, PagecliError
-from pagecli.models import gguf_blocks
+from pagecli.models import gguf_blocks, gguf_files
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
 from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS, round_activations
@@ -69,7 +69,24 @@ def test_every_quantized_tensor_of_the_embedded_file_reads_bit_for_bit():
 def test_other_types_are_left_to_the_float_conversion():
     tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.F16, shape=np.array([32, 4]), data=np.zeros((4, 32)))
     assert tensor_parts(tensor) is None
-    assert gguf_blocks.concat_parts([tensor_parts(fake_tensor("Q4_0", 4, 32)), None]) is None
+    assert gguf_blocks.stacked_parts([fake_tensor("Q4_0", 4, 32), tensor]) is None
+
+
+def test_a_fused_products_tensors_decode_into_one_stack_with_the_qk_row_order_undone():
+    from pagecli.models.gguf_convert import unpermute_rotary_rows
+
+    q, k, v = fake_tensor("Q4_1", 64, 96, seed=1), fake_tensor("Q4_1", 32, 96, seed=2), fake_tensor("Q4_0", 32, 96, seed=3)
+    stacked = gguf_blocks.stacked_parts([q, k, v], [4, 2, None])
+    singles = [tensor_parts(q), tensor_parts(k), tensor_parts(v)]
+
+    def rows(t, heads):
+        return t if heads is None else torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), heads)))
+
+    for field in ("q", "scale", "minimum"):
+        expected = torch.cat([rows(getattr(part, field), heads) for part, heads in zip(singles, [4, 2, None])])
+        assert torch.equal(getattr(stacked, field), expected), field
+    assert gguf_blocks.stacked_parts([q, fake_tensor("Q8_0", 32, 96)]) is None  # 4-bit and int8: the floats
+    assert gguf_blocks.stacked_parts([q, fake_tensor("Q4_1", 32, 64)]) is None  # two widths
 
 
 @pytest.mark.parametrize("level", COMPILED_LEVELS)
@@ -114,7 +131,7 @@ def test_q8_0_blocks_run_as_they_are_on_the_avx2_int8_kernel(level, rows, cols):
 
 
 def test_the_embedded_file_says_which_path_its_weights_take():
-    line = gguf_blocks.describe_path(default_model_gguf())
+    line = gguf_files.describe_path(default_model_gguf())
     assert line == "--quantize gguf runs Q4_1 x210 as they are"
 
 

@@ -98,3 +98,23 @@ def test_a_truncated_file_is_a_clear_error(tmp_path, reader):
     gguf_index.write_index(gguf_index.index_entries(SimpleNamespace(tensors=list(reader.values()))), copy, tmp_path)
     with pytest.raises(ModelError, match="shorter than its tensor"):
         read_tensors(copy, tmp_path)
+
+
+def test_the_type_names_read_without_gguf_are_ggmls_own():
+    from gguf import GGMLQuantizationType
+
+    from pagecli.models.gguf_files import _COMMON_TYPE_NAMES, type_name_of
+
+    for kind, name in _COMMON_TYPE_NAMES.items():
+        assert GGMLQuantizationType(kind).name == name
+    assert type_name_of(int(GGMLQuantizationType.IQ4_NL)) == "IQ4_NL"  # a rarer one, through gguf
+
+
+def test_the_type_counts_read_from_the_index_equal_the_readers(smollm2_dir, reader):
+    from pagecli.models.gguf_files import tensor_types
+
+    expected: dict[str, int] = {}
+    for tensor in reader.values():
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            expected[tensor.tensor_type.name] = expected.get(tensor.tensor_type.name, 0) + 1
+    assert tensor_types(default_model_gguf(), smollm2_dir) == expected == {"Q4_1": 210}

@@ -11,6 +11,7 @@ from native_levels import COMPILED_LEVELS
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
+from pagecli.models import loader
 from pagecli.models import quantize as quantize_module
 from pagecli.models.loader import load_model
 from pagecli.models.quantize import quantize_int8
@@ -84,7 +85,25 @@ def test_quantizing_layers_as_they_load_gives_the_model_quantizing_after_loading
 
 
 def test_a_gguf_models_layers_go_on_the_files_blocks_as_they_load(smollm2_dir):
-    assert_streamed_equals_after(smollm2_dir, "gguf")
+    assert_streamed_equals_after(smollm2_dir, "gguf")  # streamed: the projections' floats never read
+
+
+def test_the_floats_a_gguf_models_blocks_replace_are_never_read(smollm2_dir, monkeypatch):
+    """--quantize gguf (the default of a float32 run on the embedded model): reading the converted floats of
+    the projections the file's blocks replace took most of the start (issue 48)."""
+    read: list[str] = []
+    real = loader._read_tensors
+
+    def spy(names, *rest):
+        read.extend(names)
+        return real(names, *rest)
+
+    monkeypatch.setattr(loader, "_read_tensors", spy)
+    with Engine(str(smollm2_dir), EngineConfig(dtype="float32", disk_cache=False, quantize="gguf")) as engine:
+        assert not any(p.is_meta for p in engine.loaded.model.parameters())
+        assert engine.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    assert [name for name in read if name.endswith("_proj.weight")] == []
+    assert "model.embed_tokens.weight" in read and "model.layers.29.input_layernorm.weight" in read
 
 
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])

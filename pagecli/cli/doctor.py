@@ -17,12 +17,14 @@ _MARKS = {"ok": " ", "note": "-", "problem": "!"}
 @app.command()
 def doctor(
     json_output: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Only what needs no torch: versions, CPU, caches, the "
+                                                        "embedded model (GPU, kernels, default run skipped).")] = False,
 ) -> None:
     """Versions, GPU, CPU flags, native kernels, the backend and dtype a default run takes, caches, the
     embedded model. Exits 1 when a line points at a problem."""
     from pagecli.doctor import gather
 
-    report = gather()
+    report = gather(quick)
     if json_output:
         typer.echo(report.to_json())
     else:

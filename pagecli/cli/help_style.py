@@ -4,7 +4,8 @@ Typer 0.29 (pinned in pyproject.toml: its help layout changes between releases) 
 beside every flag, `<int>`/`<str>` beside options and `{input}` for a required argument. pagecli's
 help follows the usual convention instead: `--progress` takes no value and shows none, an option
 shows its metavar (FILE, GIB, N) where one is declared and the value's kind otherwise, and the usage
-line reads `pagecli generate [OPTIONS] INPUT`. `tidy(command)` applies that to a command tree.
+line reads `pagecli generate [OPTIONS] INPUT`. `tidy(command)` applies that to a command tree (and keeps
+an unused `--help` from costing a pydantic import).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def tidy(command: Any) -> Any:
     help_option = command.get_help_option(_click.Context(command, help_option_names=["-h", "--help"]))
     if help_option is not None:
         _restyle(help_option)
+        # Typer 0.29 leaves the flag's default None, and coerces None through a pydantic TypeAdapter: the
+        # first command that is not asked for help would import pydantic for it (about 0.1 s).
+        help_option.default = False
     if isinstance(command, TyperGroup):
         for sub in command.commands.values():
             tidy(sub)

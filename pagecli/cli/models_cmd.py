@@ -23,7 +23,7 @@ def models(
         folder = source.prepare_default_model(progress=lambda msg: say(msg, style="dim"))
         typer.echo(f"Default model ready: {folder}")
         return
-    from pagecli.models import gguf_blocks
+    from pagecli.models import gguf_files
 
     state = "ready" if source.is_default_model_prepared() else "not converted yet (first run converts it)"
     typer.echo(f"default      {source.DEFAULT_MODEL_NAME} (embedded): {state}")
@@ -33,7 +33,7 @@ def models(
     for folder in sorted(p for p in root.glob("*") if p.is_dir() and (p / "config.json").is_file()):
         size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
         typer.echo(f"converted    {folder.name}  {size_mb:,.0f} MB  {folder}")
-        gguf = gguf_blocks.gguf_source(folder)
+        gguf = gguf_files.gguf_source(folder)
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
@@ -42,12 +42,14 @@ def models(
 def _weights_path(gguf_path, folder) -> str:
     """Which path a GGUF file's decoder weights take by default here, and which run as they are with --quantize gguf."""
     from pagecli.errors import ModelError
-    from pagecli.models import gguf_blocks
-    from pagecli.models.loader import cpu_has_bf16
+    from pagecli.models import gguf_files
+    from pagecli.native import cpu_has_bf16
 
     here = ("the converted floats by default here (bfloat16; --quantize auto runs the blocks in float32 runs)"
             if cpu_has_bf16() else "the blocks by default here (float32: --quantize auto; none: the converted floats)")
+    if not folder.is_dir():  # no index yet: parsing the file's header takes seconds, conversion writes one
+        return f"{here}; which run as they lie is listed once it is converted (pagecli models --prepare)"
     try:
-        return f"{here}; {gguf_blocks.describe_path(gguf_path, folder if folder.is_dir() else None)}"
+        return f"{here}; {gguf_files.describe_path(gguf_path, folder)}"
     except (ModelError, OSError) as error:
         return f"unreadable ({error})"

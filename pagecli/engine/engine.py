@@ -111,9 +111,11 @@ class Engine:
             cpu_ops = self._cpu_ops(device, progress)
             self.quantize = self._resolve_quantize(folder, lambda: resolve_dtype(
                 self.config.dtype, load_hf_config(folder), device), cpu_ops)
+            # --quantize gguf: the decoder's products come from the file's blocks, their floats never read.
+            on_blocks = (lambda model, index: model.weights_on_gguf_blocks(index)) if self.quantize == "gguf" else None
             loaded = load_model(folder, self.config.dtype, self.config.device,
                                 max_positions=self._context_cap_for(folder),
-                                layer_ready=self._quantize_as_loaded(cpu_ops, progress))
+                                layer_ready=self._quantize_as_loaded(cpu_ops, progress), layer_provided=on_blocks)
             model = model or DEFAULT_MODEL_NAME
         else:
             cpu_ops = self._cpu_ops(loaded.device, progress)

@@ -104,6 +104,8 @@ class CausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        # --quantize gguf: layer index -> its products on the file's blocks, read before the layer loaded
+        self._gguf_layer_products: dict[int, dict[tuple[str, str], Any]] = {}
 
     linear_kernel: LinearKernel | None = None
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights, when set
@@ -139,7 +141,10 @@ class CausalLM(nn.Module):
         if quantize == "gguf":
             from pagecli.models import gguf_blocks
 
-            gguf_blocks.use_gguf_products(layer, self._gguf_blocks().layer(index), int4_ops, int8_ops, exact)
+            products = self._gguf_layer_products.pop(index, None)
+            if products is None:  # not read ahead by weights_on_gguf_blocks: the model loaded in floats
+                products = self._gguf_blocks().layer(index)
+            gguf_blocks.use_gguf_products(layer, products, int4_ops, int8_ops, exact)
         else:
             for module in layer.modules():
                 if isinstance(module, Linear):
@@ -211,6 +216,16 @@ class CausalLM(nn.Module):
         self._output_on_int8(parts.q, parts.scale, ops, int16_activations=True)
 
     _gguf: Any = None  # --quantize gguf: the file's GgufBlocks while layers are put on them
+
+    def weights_on_gguf_blocks(self, index: int) -> frozenset[str]:
+        """--quantize gguf, before decoder layer `index` loads: the checkpoint weights its GGUF blocks
+        replace (load_model's layer_provided: their floats are never read); the layer's products are
+        kept for quantize_layer, which puts them in place."""
+        from pagecli.models import gguf_blocks
+
+        products = self._gguf_blocks().layer(index)
+        self._gguf_layer_products[index] = products
+        return gguf_blocks.weights_replaced(index, products)
 
     def _gguf_blocks(self) -> Any:
         """--quantize gguf: the GGUF file this model was converted from, opened once for all its layers."""

@@ -15,7 +15,6 @@ types keep the float weights of the converted folder.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ import numpy as np
 import torch
 
 from pagecli.errors import ModelError
+from pagecli.models.gguf_files import AS_IS_TYPES, gguf_source, tensor_types
 
 GROUP = 32  # weights per block in all three formats
-AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as they are; Q4_* run in 4 bits, Q8_0 requantized to int8
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -47,39 +46,69 @@ class Q8Parts:
     scale: torch.Tensor
 
 
-def gguf_source(folder: Path) -> Path | None:
-    """The .gguf file a converted folder came from (its conversion marker says), if it is still there."""
-    from pagecli.models.source import CONVERTED_MARKER
-
-    try:
-        source = Path(json.loads((folder / CONVERTED_MARKER).read_text())["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return source if source.is_file() else None
-
-
 def tensor_parts(tensor: Any) -> Int4Parts | Q8Parts | None:
     """A gguf ReaderTensor's blocks in pagecli's layout, rows in the file's order; None for other types."""
-    kind = tensor.tensor_type.name
-    if kind not in AS_IS_TYPES:
+    return stacked_parts([tensor])
+
+
+def stacked_parts(tensors: list[Any], rotary_heads: list[int | None] | None = None) -> Int4Parts | Q8Parts | None:
+    """The blocks of the tensors one fused product stacks along N (q/k/v, gate/up), decoded straight into one
+    set of tensors: no part of its own to copy and concatenate. rotary_heads[i]: undo llama.cpp's q/k row
+    order in tensor i for that many heads. None unless all are 4-bit (Q4_0/Q4_1) or all Q8_0, of one
+    width, and every Q4_0 minimum fits fp16."""
+    kinds = [tensor.tensor_type.name for tensor in tensors]
+    widths = {int(tensor.shape[0]) for tensor in tensors}
+    if any(kind not in AS_IS_TYPES for kind in kinds) or len({kind == "Q8_0" for kind in kinds}) != 1 or len(widths) != 1:
         return None
+    k = widths.pop()
+    blocks = [_raw_blocks(tensor, heads) for tensor, heads in zip(tensors, rotary_heads or [None] * len(tensors))]
+    rows, groups = sum(b.shape[0] for b in blocks), k // GROUP
+    int8 = kinds[0] == "Q8_0"
+    q = torch.empty(rows, k, dtype=torch.int8 if int8 else torch.uint8)  # [N, K]
+    scale = torch.empty(rows, groups, dtype=torch.float16)  # [N, K / 32]
+    minimum = None if int8 else torch.empty(rows, groups, dtype=torch.float16)
+    start = 0
+    for kind, tensor_blocks in zip(kinds, blocks):
+        end = start + tensor_blocks.shape[0]
+        _decode(kind, tensor_blocks, q[start:end].numpy(), scale[start:end].numpy(),
+                None if minimum is None else minimum[start:end].numpy())
+        start = end
+    if minimum is None:
+        return Q8Parts(q, scale)
+    if not torch.isfinite(minimum).all():
+        return None  # a Q4_0 scale past fp16's range / 8: keep the float path for this product
+    return Int4Parts(q, scale, minimum)
+
+
+def _raw_blocks(tensor: Any, rotary_heads: int | None) -> np.ndarray:
+    """The tensor's blocks, uint8 [N, K / 32, block bytes]: a view of the file's bytes, or a copy with
+    llama.cpp's q/k row order undone (gguf_convert.unpermute_rotary_rows) for rotary_heads heads."""
     rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
-    k = int(tensor.shape[0])
-    groups = k // GROUP
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, groups, _BLOCK_BYTES[kind])  # [N, G, bytes]
-    scale = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(rows, groups))
+    groups = int(tensor.shape[0]) // GROUP
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, groups, _BLOCK_BYTES[tensor.tensor_type.name])
+    if rotary_heads is None:
+        return blocks
+    from pagecli.models.gguf_convert import unpermute_rotary_rows
+
+    return np.ascontiguousarray(unpermute_rotary_rows(blocks.reshape(rows, -1), rotary_heads)).reshape(blocks.shape)
+
+
+def _decode(kind: str, blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) -> None:
+    """One tensor's blocks [N, G, bytes] into q [N, K], scale and minimum [N, G]: views of the stacked parts."""
+    rows, groups, _ = blocks.shape
+    scale[...] = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).reshape(rows, groups)
+    q_groups = q.reshape(rows, groups, GROUP)  # [N, G, 32]
     if kind == "Q8_0":
-        q8 = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, k)
-        return Q8Parts(torch.from_numpy(q8.copy()), scale.clone())
-    nibbles = blocks[:, :, 4:] if kind == "Q4_1" else blocks[:, :, 2:]  # [N, G, 16]: k i low, k i + 16 high
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).reshape(rows, k)  # [N, K]
+        q_groups[...] = blocks[:, :, 2:].view(np.int8)
+        return
+    nibbles = blocks[:, :, 4:] if kind == "Q4_1" else blocks[:, :, 2:]  # [N, G, 16]: weight i low, i + 16 high
+    np.bitwise_and(nibbles, 0x0F, out=q_groups[:, :, :16])
+    np.right_shift(nibbles, 4, out=q_groups[:, :, 16:])
     if kind == "Q4_1":
-        minimum = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(rows, groups))
+        minimum[...] = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(rows, groups)
     else:
-        minimum = (-8 * scale.float()).half()  # exact: a power-of-two multiple
-        if not torch.isfinite(minimum).all():
-            return None  # a scale past fp16's range / 8: keep the float path for this tensor
-    return Int4Parts(torch.from_numpy(q.copy()), scale.clone(), minimum.clone())
+        with np.errstate(over="ignore"):  # past fp16's range: inf, and stacked_parts keeps the floats
+            minimum[...] = (-8 * scale.astype(np.float32)).astype(np.float16)  # exact: a power-of-two multiple
 
 
 def dequantize_parts(parts: Int4Parts | Q8Parts) -> torch.Tensor:
@@ -91,28 +120,6 @@ def dequantize_parts(parts: Int4Parts | Q8Parts) -> torch.Tensor:
     return dequantize_int4(parts.q, parts.scale, parts.minimum)
 
 
-def reorder_rows(parts: Int4Parts | Q8Parts, num_heads: int) -> Int4Parts | Q8Parts:
-    """Undo llama.cpp's q/k row order (gguf_convert.unpermute_rotary_rows) on every part's rows."""
-    from pagecli.models.gguf_convert import unpermute_rotary_rows
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), num_heads)))
-
-    if isinstance(parts, Q8Parts):
-        return Q8Parts(rows(parts.q), rows(parts.scale))
-    return Int4Parts(rows(parts.q), rows(parts.scale), rows(parts.minimum))
-
-
-def concat_parts(parts: list[Int4Parts | Q8Parts | None]) -> Int4Parts | Q8Parts | None:
-    """The parts of a fused product (q/k/v, gate/up) stacked along N; None unless all are one kind."""
-    if any(p is None for p in parts) or len({type(p) for p in parts}) != 1:
-        return None
-    if isinstance(parts[0], Q8Parts):
-        return Q8Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return Int4Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                     torch.cat([p.minimum for p in parts]))
-
-
 # Each fused product of a decoder layer and the GGUF tensors it stacks, in order.
 _PRODUCTS = {
     ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
@@ -122,49 +129,64 @@ _PRODUCTS = {
 }
 
 
+# The checkpoint's Linears each fused product replaces (DecoderLayer.fuse_projections).
+_CHECKPOINT_LINEARS = {
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("self_attn", "o_proj"): ("o_proj",),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+    ("mlp", "down_proj"): ("down_proj",),
+}
+
+
+def weights_replaced(index: int, products: dict[tuple[str, str], Any]) -> frozenset[str]:
+    """The checkpoint weights of decoder layer `index` that its products on GGUF blocks (GgufBlocks.layer)
+    replace: their converted floats need not be read. A bias stays: the products take it from the Linear."""
+    return frozenset(f"model.layers.{index}.{module}.{linear}.weight"
+                     for (module, product), parts in products.items() if parts is not None
+                     for linear in _CHECKPOINT_LINEARS[(module, product)])
+
+
 class GgufBlocks:
     """A GGUF file's decoder products, read a layer at a time (the file opened once): layer(i) gives
     (submodule, product) -> Int4Parts / Q8Parts / None (float) for layer i's four fused products."""
 
     def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int, folder: Path | None = None) -> None:
-        from pagecli.models.gguf_index import read_tensors
+        from pagecli.models.gguf_index import map_file, read_tensors
 
         self.path = gguf_path
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.tensors = read_tensors(gguf_path, folder)  # through the converted folder's index where it has one
+        self._mapping = map_file(gguf_path)
+        # Through the converted folder's index where it has one; the bytes view self._mapping.
+        self.tensors = read_tensors(gguf_path, folder, self._mapping)
 
     def layer(self, index: int) -> dict[tuple[str, str], Any]:
         products: dict[tuple[str, str], Any] = {}
+        rotary_heads = {"attn_q": self.num_heads, "attn_k": self.num_kv_heads}
         for (module, product), names in _PRODUCTS.items():
-            parts = []
+            tensors = []
             for name in names:
                 tensor = self.tensors.get(f"blk.{index}.{name}.weight")
                 if tensor is None:
                     raise ModelError(f"GGUF file '{self.path}' lacks blk.{index}.{name}.weight.")
-                part = tensor_parts(tensor)
-                if part is not None and name in ("attn_q", "attn_k"):
-                    part = reorder_rows(part, self.num_heads if name == "attn_q" else self.num_kv_heads)
-                parts.append(part)
-            products[(module, product)] = concat_parts(parts)
+                tensors.append(tensor)
+            products[(module, product)] = stacked_parts(tensors, [rotary_heads.get(name) for name in names])
+        self._release_pages()
         return products
+
+    def _release_pages(self) -> None:
+        """The parts are copies: the file's pages just read need not stay resident (100 MB of the embedded
+        model's start peak; gguf_index.release_pages)."""
+        from pagecli.models.gguf_index import release_pages
+
+        release_pages(self._mapping)
 
     def output(self) -> Int4Parts | Q8Parts | None:
         """The output layer's blocks: output.weight, or the tied token_embd.weight where the file has no
         output tensor (None for other types)."""
         tensor = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
-        return tensor_parts(tensor) if tensor is not None else None
-
-
-def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
-    """How many of the file's decoder-layer matrices each GGUF type holds (through the converted
-    folder's index, gguf_index, where one is given)."""
-    from pagecli.models.gguf_index import read_tensors
-
-    counts: dict[str, int] = {}
-    for tensor in read_tensors(gguf_path, folder).values():
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    return counts
+        parts = tensor_parts(tensor) if tensor is not None else None
+        self._release_pages()
+        return parts
 
 
 def auto_quantize(folder: Path, dtype: torch.dtype, ops: Any) -> str:
@@ -188,23 +210,6 @@ def auto_quantize(folder: Path, dtype: torch.dtype, ops: Any) -> str:
     except (ModelError, OSError, ValueError):  # changed since its conversion: the converted floats still load
         return "none"
     return "gguf" if any(kind in AS_IS_TYPES for kind in types) else "none"
-
-
-def describe_path(gguf_path: Path, folder: Path | None = None) -> str:
-    """One line: which of the file's decoder weights run as they are with --quantize gguf, which as floats
-    (folder: its converted folder, whose index saves parsing the file)."""
-    counts = tensor_types(gguf_path, folder)
-    as_is = {t: n for t, n in counts.items() if t in AS_IS_TYPES}
-    floats = {t: n for t, n in counts.items() if t not in AS_IS_TYPES}
-    parts = []
-    if as_is:
-        kinds = ", ".join(f"{t} x{n}" for t, n in sorted(as_is.items()))
-        requantized = (" (Q8_0 as it is on the AVX2 int8 kernel: float32 models, CPUs without VNNI; else "
-                       "requantized to pagecli's int8 blocks of 64)" if "Q8_0" in as_is else "")
-        parts.append(f"--quantize gguf runs {kinds} as they are{requantized}")
-    if floats:
-        parts.append("dequantized to float: " + ", ".join(f"{t} x{n}" for t, n in sorted(floats.items())))
-    return "; ".join(parts) or "no decoder matrices"
 
 
 def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops: Any, int8_ops: Any,

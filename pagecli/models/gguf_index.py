@@ -11,14 +11,16 @@ converted before the index existed gets it the first time it is needed.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from pagecli.errors import ModelError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 INDEX_FILE = "gguf-tensors.json"
 _INDEX_VERSION = 1
@@ -49,11 +51,10 @@ def write_index(entries: dict[str, list[int]], gguf_path: Path, folder: Path) ->
     os.replace(temp, folder / INDEX_FILE)
 
 
-def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, IndexedTensor]:
-    """The file's tensors by name: through `folder`'s index where it holds one for this file (else by
-    GGUFReader, and the index is written there for next time, where the folder is writable)."""
-    from gguf import GGMLQuantizationType
-
+def tensor_entries(gguf_path: Path, folder: Path | None = None) -> dict[str, list[int]]:
+    """The file's index (index_entries): `folder`'s where it holds one for this file (plain JSON: neither
+    numpy nor gguf imported), else parsed by GGUFReader and written there for next time, where the folder
+    is writable."""
     entries = _stored_entries(gguf_path, folder) if folder is not None else None
     if entries is None:
         from pagecli.models.gguf_convert import _open_reader
@@ -64,7 +65,32 @@ def read_tensors(gguf_path: Path, folder: Path | None = None) -> dict[str, Index
                 write_index(entries, gguf_path, folder)
             except OSError:
                 pass  # a read-only cache: the next start parses the file again
-    mapping = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    return entries
+
+
+def map_file(gguf_path: Path) -> mmap.mmap:
+    """A read-only memory map of the whole file. Its pages count as the process's memory once read, until
+    `release_pages` gives them back (they stay in the page cache: a later read is no disk read)."""
+    with open(gguf_path, "rb") as file:
+        return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def release_pages(mapping: mmap.mmap) -> None:
+    """Drop the map's pages from this process's resident memory (read again from the page cache if a
+    tensor viewing them is read later): a file read once, a layer at a time, never counts whole."""
+    if hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def read_tensors(gguf_path: Path, folder: Path | None = None,
+                 mapping: mmap.mmap | None = None) -> dict[str, IndexedTensor]:
+    """The file's tensors by name, their bytes views of one read-only memory map (tensor_entries): `mapping`
+    (map_file's) where given."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    entries = tensor_entries(gguf_path, folder)
+    mapping = np.frombuffer(mapping if mapping is not None else map_file(gguf_path), dtype=np.uint8)
     tensors = {}
     for name, (kind, offset, size, *shape) in entries.items():
         if offset < 0 or size < 0 or offset + size > mapping.size:

@@ -197,8 +197,14 @@ class Embedding(nn.Embedding):
 
 
 def concat_linears(linears: list[nn.Linear]) -> Linear:
-    """One Linear whose output is the concatenation of the given Linears' outputs."""
-    weight = torch.cat([lin.weight for lin in linears], dim=0)  # [sum(out_features), in_features]
+    """One Linear whose output is the concatenation of the given Linears' outputs. Weights left on the meta
+    device (load_model's layer_provided: a GGUF file's blocks replace them) give a meta weight."""
+    if any(lin.weight.is_meta for lin in linears):
+        # torch.cat of meta tensors runs Python meta kernels that import torch._dynamo: seconds at start.
+        out_features = sum(lin.weight.shape[0] for lin in linears)
+        weight = torch.empty(out_features, linears[0].weight.shape[1], dtype=linears[0].weight.dtype, device="meta")
+    else:
+        weight = torch.cat([lin.weight for lin in linears], dim=0)  # [sum(out_features), in_features]
     has_bias = linears[0].bias is not None
     fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)

@@ -26,6 +26,7 @@ from pagecli.models.decoder import CausalLM
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, rope_type_of
 from pagecli.models.tokenizer import GENERIC_TOKENIZER_CLASSES, load_plain_tokenizer
+from pagecli.native import cpu_has_bf16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,13 +68,6 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     if device.type == "cpu" and stored == torch.float16:
         return torch.float32  # float16 matmuls on CPU are slow and lose precision
     return stored
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
-    from pagecli.native import cpu_flags
-
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
 
 
 # Keys a config.json must carry for pagecli to read it without transformers' config classes, whose
@@ -190,12 +184,15 @@ def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: 
 
 
 LayerReady = Callable[[CausalLM, int], None]  # (the model, the index of the decoder layer just loaded)
+# The checkpoint names of decoder layer `index` whose weights the caller puts in place itself (in layer_ready).
+LayerProvided = Callable[[CausalLM, int], frozenset[str]]
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
-               layer_ready: LayerReady | None = None) -> LoadedModel:
+               layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None) -> LoadedModel:
     """The folder's model, config and tokenizer; layer_ready(model, index) runs on each decoder layer
-    as soon as its weights are loaded (_load_weights)."""
+    as soon as its weights are loaded (_load_weights). The weights layer_provided(model, index) names
+    are not read: they stay on the meta device until layer_ready replaces them (a GGUF file's blocks)."""
     hf_config = load_hf_config(folder)
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
@@ -204,21 +201,21 @@ def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_posi
     with torch.device("meta"):  # parameters get their real storage from the checkpoint
         model = CausalLM(spec, rotary)
     model.source_folder = folder  # before the weights: layer_ready may read a GGUF source beside it
-    _load_weights(model, folder, torch_dtype, dev, layer_ready)
+    _load_weights(model, folder, torch_dtype, dev, layer_ready, layer_provided)
     model.eval()
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, spec, hf_config, tokenizer, folder, torch_dtype, dev, _eos_ids(folder, hf_config, tokenizer))
 
 
 def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device,
-                  layer_ready: LayerReady | None = None) -> None:
+                  layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None) -> None:
     """The checkpoint's tensors into the model: first those outside the decoder layers, then one layer
     at a time, its q/k/v and gate/up fused as soon as its tensors are in and the layer handed to
     layer_ready (the engine quantizes it there). Every tensor is copied out of the file's mapping,
     which is closed after each layer: a quantized model never holds more than one layer of float
     weights, and none of the file stays resident (a tensor viewing the mapping kept the whole file
     counted in the process's memory: a 7B model loaded to int4 stayed at 16 GB resident for 4.4 GB
-    of weights)."""
+    of weights). A layer's weights that layer_provided names are not read at all."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
@@ -235,7 +232,8 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
         (layers.setdefault(int(match.group(1)), []) if match else outside).append(name)
     model.load_state_dict(_read_tensors(outside, where, expected, dtype, device), strict=False, assign=True)
     for index, layer in enumerate(model.model.layers):
-        names = layers.get(index, [])
+        provided = layer_provided(model, index) if layer_provided is not None else frozenset()
+        names = [name for name in layers.get(index, []) if name not in provided]
         model.load_state_dict(_read_tensors(names, where, expected, dtype, device), strict=False, assign=True)
         layer.fuse_projections()
         if layer_ready is not None:

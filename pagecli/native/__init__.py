@@ -145,6 +145,11 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+
+
 def level() -> str:
     """The instruction-set level whose kernels this process runs (isa.chosen_level)."""
     return isa.chosen_level(cpu_flags())

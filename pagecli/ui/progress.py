@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pagecli.engine.stats import EngineStats
 
@@ -29,6 +28,8 @@ class GenerateProgress:
     """Requests done, output tokens/s and pool occupancy, refreshed as results arrive."""
 
     def __init__(self, total: int, enabled: bool | None = None, console: Console | None = None) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.console = console or Console(stderr=True)
         self.enabled = self.console.is_terminal if enabled is None else enabled
         self.total = total

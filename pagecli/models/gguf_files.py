@@ -1,0 +1,66 @@
+"""What a GGUF file's decoder weights are, without torch: the file a converted folder came from, how many
+matrices each GGUF type holds, and which of them `--quantize gguf` runs as they lie. `pagecli models`
+reads this; gguf_blocks.py turns the blocks into tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as they are; Q4_* run in 4 bits, Q8_0 requantized to int8
+# GGML's type ids (ggml.h, gguf.GGMLQuantizationType) of the types most files hold; a test keeps them equal.
+_COMMON_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+                      11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The .gguf file a converted folder came from (its conversion marker says), if it is still there."""
+    from pagecli.models.source import CONVERTED_MARKER
+
+    try:
+        source = Path(json.loads((folder / CONVERTED_MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.is_file() else None
+
+
+def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
+    """How many of the file's decoder-layer matrices each GGUF type holds (through the converted
+    folder's index, gguf_index, where one is given)."""
+    from pagecli.models.gguf_index import tensor_entries
+
+    counts: dict[str, int] = {}
+    for name, (kind, _offset, _size, *shape) in tensor_entries(gguf_path, folder).items():
+        if name.startswith("blk.") and len(shape) == 2:
+            type_name = type_name_of(kind)
+            counts[type_name] = counts.get(type_name, 0) + 1
+    return counts
+
+
+def type_name_of(kind: int) -> str:
+    """GGML's name for a tensor type id (gguf.GGMLQuantizationType's), the common ones without importing
+    gguf and numpy (0.2 s of `pagecli models`)."""
+    name = _COMMON_TYPE_NAMES.get(kind)
+    if name is None:
+        from gguf import GGMLQuantizationType
+
+        name = GGMLQuantizationType(kind).name
+    return name
+
+
+def describe_path(gguf_path: Path, folder: Path | None = None) -> str:
+    """One line: which of the file's decoder weights run as they are with --quantize gguf, which as floats
+    (folder: its converted folder, whose index saves parsing the file)."""
+    counts = tensor_types(gguf_path, folder)
+    as_is = {t: n for t, n in counts.items() if t in AS_IS_TYPES}
+    floats = {t: n for t, n in counts.items() if t not in AS_IS_TYPES}
+    parts = []
+    if as_is:
+        kinds = ", ".join(f"{t} x{n}" for t, n in sorted(as_is.items()))
+        requantized = (" (Q8_0 as it is on the AVX2 int8 kernel: float32 models, CPUs without VNNI; else "
+                       "requantized to pagecli's int8 blocks of 64)" if "Q8_0" in as_is else "")
+        parts.append(f"--quantize gguf runs {kinds} as they are{requantized}")
+    if floats:
+        parts.append("dequantized to float: " + ", ".join(f"{t} x{n}" for t, n in sorted(floats.items())))
+    return "; ".join(parts) or "no decoder matrices"
