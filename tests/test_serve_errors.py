@@ -67,12 +67,20 @@ def test_bad_fields_are_a_400_naming_the_field(server, http, fields, says):
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
-                                          ("logit_bias", {"5": 1.0}), ("logprobs", True),
-                                          ("presence_penalty", 0.5), ("beam_width", 4)])
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("echo", True), ("logprobs", True),
+                                          ("suffix", "x"), ("beam_width", 4)])
 def test_a_field_the_server_cannot_honour_is_refused_not_ignored(server, http, field, value):
     error = error_of(http.post("/v1/chat/completions", json=chat_body(server, **{field: value})), 400)
     assert error["code"] == "unsupported_parameter" and f"'{field}'" in error["message"]
+
+
+def test_penalties_and_logit_bias_are_honoured_and_checked(server, http):
+    body = chat_body(server, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"5": 1.0})
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    error = error_of(http.post("/v1/chat/completions", json=chat_body(server, logit_bias={"10000000": 1.0})), 400)
+    assert "vocabulary" in error["message"]
+    error = error_of(http.post("/v1/chat/completions", json=chat_body(server, presence_penalty=3)), 400)
+    assert "presence_penalty" in error["message"]
 
 
 def test_harmless_and_unknown_fields_are_ignored(server, http):
