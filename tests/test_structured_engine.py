@@ -279,3 +279,39 @@ def test_smollm2_answers_follow_a_schema(smollm2_dir):
         assert out.finish_reason == "stop", out
         jsonschema.validate(json.loads(out.text), schema)
     assert engine.generate(prompts[:1], sampling)[0].token_ids == outs[0].token_ids  # alone as in the batch
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"},
+                                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"}])
+def test_a_schema_that_admits_nothing_is_refused_before_its_request_runs(tiny_model_factory, schema):
+    engine = make_engine(tiny_model_factory("llama"))
+    with pytest.raises(RequestError, match="admits no output"):
+        engine.add_request("Hi", SamplingParams(structured=StructuredSpec.json_schema(schema)))
+    assert not engine.has_unfinished
+
+
+def test_a_grammar_that_leaves_no_token_ends_its_request_alone(tiny_model_factory, monkeypatch):
+    """Whatever a grammar does mid-run, a mask that allows nothing ends that request (finish_reason "error"),
+    and the request beside it gets the tokens it gets alone."""
+    from pagecli.engine import structured
+
+    folder = tiny_model_factory("llama")
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = make_engine(folder).generate(["Hello there"], plain)[0]
+
+    def mask_everything(logits, rows, states, greedy_choices=None):
+        with torch.inference_mode():  # the step's logits are inference tensors
+            logits[rows] = float("-inf")
+        return list(rows)
+
+    monkeypatch.setattr(structured, "apply_grammar_masks", mask_everything)
+    engine = make_engine(folder)
+    dead = engine.add_request("Hi", SamplingParams(temperature=0.7, max_tokens=12,
+                                                   structured=StructuredSpec.json_object()))
+    live = engine.add_request("Hello there", plain)
+    events = list(engine.stream())
+    ended = [e for e in events if e.request_id == dead]
+    assert [e.finish_reason for e in ended] == ["error"] and ended[0].token_ids == ()
+    tokens = [t for e in events if e.request_id == live for t in e.token_ids]
+    assert tuple(tokens) == alone.token_ids

@@ -405,6 +405,9 @@ class Engine:
         events = [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
         for seq, token_id in zip(sampled, sample(logits, sampled, self._sampling_ops)):
+            if token_id < 0:  # its grammar allows no token: that request ends here, the others run on
+                events.append(self._dead_end(seq))
+                continue
             events.append(self._on_token(seq, token_id))
             if seq.grammar is not None and len(self.scheduler.running) == 1:
                 events.extend(self._forced_tokens(seq))
@@ -482,6 +485,14 @@ class Engine:
             self.scheduler.finish(seq, reason)
         return self._event(req, token_id, reason)
 
+    def _dead_end(self, seq: Sequence) -> RequestEvent:
+        """End a sequence whose grammar's mask left no token (finish_reason "error", nothing appended)."""
+        req = self._requests[seq.request_id][seq.candidate_index]
+        self._warnings.append(f"Request '{seq.request_id}': its output constraint allows no next token; it ends "
+                              "here (finish_reason \"error\").")
+        self.scheduler.finish(seq, "error")
+        return self._event(req, None, "error")
+
     def _persist_finished_prompt(self, seq: Sequence) -> None:
         """The automatic write policy: when a request finishes, the prompt blocks it found cached
         (so two or more requests used them), or all its prompt blocks with disk_cache_all_prompts."""
@@ -492,7 +503,7 @@ class Engine:
         elif seq.num_cached_tokens:
             self.persist_prefix(seq.prompt_token_ids[: seq.num_cached_tokens])
 
-    def _event(self, req: _Request, token_id: int, reason: str | None) -> RequestEvent:
+    def _event(self, req: _Request, token_id: int | None, reason: str | None) -> RequestEvent:
         seq = req.seq
         if reason is None:
             full = req.detok.text
@@ -508,7 +519,8 @@ class Engine:
         req.emitted_chars = visible_end
         ttft = seq.first_token_time_s - seq.arrival_time_s if seq.first_token_time_s else None
         return RequestEvent(
-            request_id=seq.request_id, text=new_text, token_ids=(token_id,), finished=reason is not None,
+            request_id=seq.request_id, text=new_text, token_ids=() if token_id is None else (token_id,),
+            finished=reason is not None,
             finish_reason=reason, prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
             cached_tokens=seq.num_cached_tokens, ttft_s=ttft, index=seq.candidate_index,
         )

@@ -79,8 +79,9 @@ def skip_draw(seq: Sequence) -> None:
 
 
 def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) -> list[int]:
-    """logits: [num_seqs, vocab] (any dtype, any device); one token id per sequence. ops: pagecli's CPU
-    kernels (pagecli.native), which take CPU rows; without them, tensor operations on the logits' device."""
+    """logits: [num_seqs, vocab] (any dtype, any device); one token id per sequence, -1 for a constrained one
+    whose grammar left no token. ops: pagecli's CPU kernels (pagecli.native), which take CPU rows; without
+    them, tensor operations on the logits' device."""
     constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
     if constrained:
         logits = logits.cpu()  # the grammar's masks are built on the CPU
@@ -102,6 +103,9 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) ->
             drawn = sample_rows_torch(rows, params, [uniform_of(w) for w in words])
         for row, token in zip(sampled, drawn):
             chosen[row] = token if token >= 0 else int(logits[row].float().max(dim=-1).indices)
+    for row in constrained:  # a grammar that left no token: -1, the engine ends that request alone
+        if not bool(torch.isfinite(logits[row]).any() | (logits[row] == float("inf")).any()):
+            chosen[row] = -1
     return chosen
 
 

@@ -102,12 +102,24 @@ class GrammarCompiler:
         compiled = self._cache.get(spec)
         if compiled is None:
             compiled = self._compile_uncached(spec)
+            self._refuse_empty(spec, compiled)
             self._cache[spec] = compiled
             if len(self._cache) > _COMPILED_CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
         return compiled
+
+    def _refuse_empty(self, spec: StructuredSpec, compiled: Any) -> None:
+        """A grammar that allows no first token (a schema that is only a $ref to itself, or a $defs loop with no
+        end) would leave its request nothing to sample: refused before the request runs."""
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not bool(mask.any()):
+            raise RequestError(f"the {spec.kind} constraint admits no output at all (a $ref that only refers to itself, "
+                               "or a loop of $defs with no end?)")
 
     def _compile_uncached(self, spec: StructuredSpec) -> Any:
         try:
