@@ -21,6 +21,7 @@
 // draws the same token alone or in any batch, on any thread.
 
 #include "cpu_ops.h"
+#include "kv_quant.h"  // exp8, hsum8
 #include "simd.h"
 #include "work_share.h"
 
@@ -83,32 +84,6 @@ double uniform(uint64_t random, int round) {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
-#if PAGECLI_SAMPLE_AVX2
-// exp(x) for 8 floats in [-87, 0]: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits.
-inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-kZeroBeyond));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-#endif
-
 // The row's logits as float32, NaN read as -inf, and their largest value. A float32 row without a
 // NaN is read where it lies.
 template <typename scalar_t>
@@ -159,12 +134,12 @@ double weigh_row(const float* x, int64_t vocab, float top, float inv_temperature
     __m256 acc = _mm256_setzero_ps();
     for (int64_t k = i; k < i + kBlock; k += 8) {
       const __m256 d = _mm256_mul_ps(_mm256_sub_ps(vtop, _mm256_loadu_ps(x + k)), vinv);
-      __m256 w = exp8_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), d));
+      __m256 w = exp8(_mm256_sub_ps(_mm256_setzero_ps(), d));
       w = _mm256_andnot_ps(_mm256_cmp_ps(d, zero_beyond, _CMP_NLE_UQ), w);  // 0 past 87 nats (and d NaN)
       _mm256_storeu_ps(e + k, w);
       acc = _mm256_add_ps(acc, w);
     }
-    total += sum8(acc);
+    total += hsum8(acc);
   }
 #endif
   for (; i < vocab; ++i) {
@@ -187,7 +162,7 @@ double weight_above(const float* e, int64_t vocab, float weight) {
       const __m256 w = _mm256_loadu_ps(e + k);
       acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(w, v, _CMP_GT_OQ), w));
     }
-    total += sum8(acc);
+    total += hsum8(acc);
   }
 #endif
   for (; i < vocab; ++i) total += e[i] > weight ? e[i] : 0.0f;
@@ -289,7 +264,7 @@ int64_t draw_from(int64_t vocab, float tau, double u, Scratch& s) {
       const __m256 w = _mm256_loadu_ps(e + i);
       acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(w, vtau, _CMP_GE_OQ), w));
     }
-    sum = sum8(acc);
+    sum = hsum8(acc);
 #endif
     for (; i < end; ++i) sum += e[i] >= tau ? e[i] : 0.0f;
     s.block_sum[blk] = sum;
