@@ -125,8 +125,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
-        # The greedy token of each row by the CPU kernels (the logits come to the CPU either way).
-        self._sampling_ops = cpu_ops  # the greedy and sampling kernels (None: tensor operations)
+        # The CPU kernels' greedy and sampling entry points (None: tensor operations on the logits' device).
+        self._sampling_ops = cpu_ops
         if cpu_ops is not None:
             loaded.model.use_cpu_ops(cpu_ops, quantize=self.quantize)
         else:
