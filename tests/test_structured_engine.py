@@ -291,7 +291,8 @@ def test_a_schema_that_admits_nothing_is_refused_before_its_request_runs(tiny_mo
     assert not engine.has_unfinished
 
 
-def test_a_grammar_that_leaves_no_token_ends_its_request_alone(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.7, 0.0], ids=["sampled", "greedy"])
+def test_a_grammar_that_leaves_no_token_ends_its_request_alone(tiny_model_factory, monkeypatch, temperature):
     """Whatever a grammar does mid-run, a mask that allows nothing ends that request (finish_reason "error"),
     and the request beside it gets the tokens it gets alone."""
     from pagecli.engine import structured
@@ -307,7 +308,7 @@ def test_a_grammar_that_leaves_no_token_ends_its_request_alone(tiny_model_factor
 
     monkeypatch.setattr(structured, "apply_grammar_masks", mask_everything)
     engine = make_engine(folder)
-    dead = engine.add_request("Hi", SamplingParams(temperature=0.7, max_tokens=12,
+    dead = engine.add_request("Hi", SamplingParams(temperature=temperature, max_tokens=12,
                                                    structured=StructuredSpec.json_object()))
     live = engine.add_request("Hello there", plain)
     events = list(engine.stream())

@@ -87,7 +87,7 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) ->
         logits = logits.cpu()  # the grammar's masks are built on the CPU
     penalised = [row for row, seq in enumerate(seqs) if _penalised(seq.sampling)]
     if penalised:
-        logits = logits.float().clone()  # [num_seqs, vocab]
+        logits = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]
         for row in penalised:
             apply_penalties(logits[row], seqs[row])
     chosen = _greedy_choices(logits, seqs, constrained, ops)
@@ -102,16 +102,16 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) ->
         else:
             drawn = sample_rows_torch(rows, params, [uniform_of(w) for w in words])
         for row, token in zip(sampled, drawn):
-            chosen[row] = token if token >= 0 else int(logits[row].float().max(dim=-1).indices)
-    for row in constrained:  # a grammar that left no token: -1, the engine ends that request alone
-        if not bool(torch.isfinite(logits[row]).any() | (logits[row] == float("inf")).any()):
-            chosen[row] = -1
+            # -1: nothing drawable. A constrained row keeps it (its grammar left no token: the engine ends
+            # that request alone); any other row (every logit NaN or -inf) takes its argmax.
+            unconstrained_dead_end = token < 0 and seqs[row].grammar is None
+            chosen[row] = int(logits[row].float().max(dim=-1).indices) if unconstrained_dead_end else token
     return chosen
 
 
 def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: Any) -> list[int]:
-    """The greedy rows' tokens (every row's argmax, taken once for the batch), after their grammar masks;
-    masks the sampled rows' logits in place too. Sampled rows get a placeholder."""
+    """The greedy rows' tokens (every row's argmax, taken once for the batch), after their grammar masks (-1
+    where a mask left no token); masks the sampled rows' logits in place too. Sampled rows get a placeholder."""
     wanted = constrained or any(seq.sampling.greedy for seq in seqs)
     if not wanted:
         return [0] * len(seqs)
@@ -126,9 +126,9 @@ def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constraine
         greedy = [chosen[row] if seqs[row].sampling.greedy else None for row in constrained]
         masked = apply_grammar_masks(logits, constrained, [seqs[row].grammar for row in constrained], greedy)
         if masked:
-            again = logits[torch.tensor(masked, dtype=torch.long)].max(dim=-1).indices.tolist()
-            for row, token in zip(masked, again):
-                chosen[row] = token
+            best = logits[torch.tensor(masked, dtype=torch.long)].max(dim=-1)
+            for row, value, token in zip(masked, best.values.tolist(), best.indices.tolist()):
+                chosen[row] = token if value > float("-inf") else -1  # -1: the grammar left no token
     return chosen
 
 
