@@ -21,24 +21,19 @@
 // draws the same token alone or in any batch, on any thread.
 
 #include "cpu_ops.h"
-#include "kv_quant.h"  // exp8, hsum8
+#include "kv_quant.h"  // exp8, hsum8; every build level has AVX2 and FMA (kv_quant.h stops one without)
+#include "row_max.h"
 #include "simd.h"
 #include "work_share.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGECLI_SAMPLE_AVX2 1
-#else
-#define PAGECLI_SAMPLE_AVX2 0
-#endif
 
 namespace pagecli {
 namespace {
@@ -88,37 +83,16 @@ double uniform(uint64_t random, int round) {
 // NaN is read where it lies.
 template <typename scalar_t>
 const float* load_row(const scalar_t* row, int64_t vocab, Scratch& s, float& top) {
+  bool nan = false;
+  top = max_of_row(row, vocab, nan);  // the largest non-NaN value: the same once NaNs read as -inf
   if constexpr (std::is_same_v<scalar_t, float>) {
-    float best = -kInf;
-    bool nan = false;
-    int64_t i = 0;
-#if PAGECLI_SAMPLE_AVX2
-    __m256 acc = _mm256_set1_ps(-kInf), unordered = _mm256_setzero_ps();
-    for (; i + 8 <= vocab; i += 8) {
-      const __m256 v = _mm256_loadu_ps(row + i);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      acc = _mm256_max_ps(v, acc);  // a NaN in v keeps acc
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float lane : lanes) best = std::max(best, lane);
-    nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-    for (; i < vocab; ++i) {
-      nan |= std::isnan(row[i]);
-      if (row[i] > best) best = row[i];
-    }
-    top = best;
     if (!nan) return row;
   }
   float* x = s.x.data();
-  float best = -kInf;
   for (int64_t i = 0; i < vocab; ++i) {
     const float v = to_float(row[i]);
     x[i] = std::isnan(v) ? -kInf : v;
-    best = std::max(best, x[i]);
   }
-  top = best;
   return x;
 }
 
@@ -127,7 +101,6 @@ double weigh_row(const float* x, int64_t vocab, float top, float inv_temperature
   float* e = s.e.data();
   double total = 0.0;
   int64_t i = 0;
-#if PAGECLI_SAMPLE_AVX2
   const __m256 vtop = _mm256_set1_ps(top), vinv = _mm256_set1_ps(inv_temperature);
   const __m256 zero_beyond = _mm256_set1_ps(kZeroBeyond);
   for (; i + kBlock <= vocab; i += kBlock) {
@@ -141,7 +114,6 @@ double weigh_row(const float* x, int64_t vocab, float top, float inv_temperature
     }
     total += hsum8(acc);
   }
-#endif
   for (; i < vocab; ++i) {
     const float d = (top - x[i]) * inv_temperature;
     e[i] = d <= kZeroBeyond ? std::exp(-d) : 0.0f;
@@ -154,7 +126,6 @@ double weigh_row(const float* x, int64_t vocab, float top, float inv_temperature
 double weight_above(const float* e, int64_t vocab, float weight) {
   double total = 0.0;
   int64_t i = 0;
-#if PAGECLI_SAMPLE_AVX2
   const __m256 v = _mm256_set1_ps(weight);
   for (; i + kBlock <= vocab; i += kBlock) {
     __m256 acc = _mm256_setzero_ps();
@@ -164,7 +135,6 @@ double weight_above(const float* e, int64_t vocab, float weight) {
     }
     total += hsum8(acc);
   }
-#endif
   for (; i < vocab; ++i) total += e[i] > weight ? e[i] : 0.0f;
   return total;
 }
@@ -174,13 +144,11 @@ std::vector<float>& weights_from(float floor, int64_t vocab, Scratch& s) {
   s.picked.clear();
   const float* e = s.e.data();
   int64_t i = 0;
-#if PAGECLI_SAMPLE_AVX2
   const __m256 v = _mm256_set1_ps(floor);
   for (; i + 8 <= vocab; i += 8) {
     int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), v, _CMP_GE_OQ));
     for (; hit; hit &= hit - 1) s.picked.push_back(e[i + __builtin_ctz(hit)]);
   }
-#endif
   for (; i < vocab; ++i) {
     if (e[i] >= floor) s.picked.push_back(e[i]);
   }
@@ -228,7 +196,6 @@ float kth_largest(int64_t k, int64_t vocab, Scratch& s) {
   float kth = buffer[k - 1];
   const size_t limit = static_cast<size_t>(std::max<int64_t>(2 * k, 256));
   int64_t i = k;
-#if PAGECLI_SAMPLE_AVX2
   for (; i + 8 <= vocab; i += 8) {
     int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), _mm256_set1_ps(kth), _CMP_GT_OQ));
     if (hit == 0) continue;
@@ -239,7 +206,6 @@ float kth_largest(int64_t k, int64_t vocab, Scratch& s) {
       kth = buffer[k - 1];
     }
   }
-#endif
   for (; i < vocab; ++i) {
     if (e[i] > kth) buffer.push_back(e[i]);
   }
@@ -257,7 +223,6 @@ int64_t draw_from(int64_t vocab, float tau, double u, Scratch& s) {
     const int64_t end = std::min(vocab, (blk + 1) * kBlock);
     int64_t i = blk * kBlock;
     float sum = 0.0f;
-#if PAGECLI_SAMPLE_AVX2
     const __m256 vtau = _mm256_set1_ps(tau);
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= end; i += 8) {
@@ -265,7 +230,6 @@ int64_t draw_from(int64_t vocab, float tau, double u, Scratch& s) {
       acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(w, vtau, _CMP_GE_OQ), w));
     }
     sum = hsum8(acc);
-#endif
     for (; i < end; ++i) sum += e[i] >= tau ? e[i] : 0.0f;
     s.block_sum[blk] = sum;
     total += sum;
