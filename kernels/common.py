@@ -1,5 +1,5 @@
 """Helpers the attention kernels share: the interpreter switch, an fp32-exact dot, loading K/V tiles,
-and the int8/fp8 row format of a quantized cache (pagecli/attention/kv_format.py) in both directions.
+and the int8/fp8 row format of a quantized cache (pagecli/kv_format.py) in both directions.
 
 Triton's interpreter (TRITON_INTERPRET=1, how CI tests the kernels on CPU) computes
 bf16 arithmetic and bf16 `tl.dot` wrongly, so the kernels upcast loaded values to
@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecli.attention.kv_format import SCALE_BYTES, format_of_cache
+from pagecli.kv_format import SCALE_BYTES, format_of_cache
 
 LOG2_E = 1.4426950408889634
 # Bytes of one K (or V) tile a program loads per step. Larger tiles spill registers or exceed the
-# SM's share for good occupancy on sm_80/sm_90 (python -m pagecli.kernels.aot checks; docs/GPU.md).
+# SM's share for good occupancy on sm_80/sm_90 (python -m pagecli.attention.aot checks; docs/GPU.md).
 KV_TILE_BYTES = 8192
 
 # @triton.jit picks interpreter or compiler when the kernel is decorated, i.e. when

@@ -139,12 +139,12 @@ def prefill_tiles(head_dim_pad: int, dots_in: torch.dtype, kv_format: str, eleme
         # Hopper, 16-bit K/V up to head size 128: 64 query rows, 4 warps, K and V tiles of 16 KiB each.
         # Timed on an H100 (docs/GPU.md) against the tile below: 1.84-2.09x faster at head sizes 64 and 128,
         # with and without a cached prefix; 185 registers, no spill. On sm_80-sm_89 the same tile spills
-        # (255 registers; python -m pagecli.kernels.aot), so they keep the tile below.
+        # (255 registers; python -m pagecli.attention.aot), so they keep the tile below.
         return PrefillTiles(64, min(128, 16384 // row_bytes), num_warps=4, num_stages=2)
     # Wide rows (fp32 from head_dim 128, 16-bit at 256) halve the query tile to keep registers unspilled.
     block_m = 64 if row_bytes <= 256 else 32
     if kv_format != "float" and dots_in == torch.float32:
-        block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.kernels.aot)
+        block_m = 16  # fp32 dots over widened bytes spill from 32 rows (python -m pagecli.attention.aot)
     # With 4 warps, a 64-row tile needs over 128 registers a thread (sm_80: 19% occupancy, or spills).
     num_warps = 8
     if kv_format != "float" and dots_in != torch.float32 and head_dim_pad >= 256:

@@ -2,7 +2,7 @@
 
 A token's flat slot is `block_id * block_size + offset`; slot -1 marks a padding token
 and is skipped. Slots are int64, so caches past 2**31 elements address correctly.
-A quantized cache (int8 or fp8 rows with a float16 scale, pagecli/attention/kv_format.py)
+A quantized cache (int8 or fp8 rows with a float16 scale, pagecli/kv_format.py)
 is written quantized: each (token, kv head) row gets its scale and data bytes here, the
 same bytes as kv_format.quantize_rows.
 """

@@ -153,8 +153,8 @@ def _gpu_compiler() -> Finding:
     ptxas = _triton_ptxas()
     if ptxas is None:
         return Finding("gpu", "compiler", "no ptxas in a triton wheel: the kernels cannot be compiled here", NOTE,
-                       "pip install triton (Linux) to check them with `python -m pagecli.kernels.aot`")
-    return Finding("gpu", "compiler", f"triton's ptxas ({ptxas}); `python -m pagecli.kernels.aot --arch 80,90` "
+                       "pip install triton (Linux) to check them with `python -m pagecli.attention.aot`")
+    return Finding("gpu", "compiler", f"triton's ptxas ({ptxas}); `python -m pagecli.attention.aot --arch 80,90` "
                                       "compiles every kernel specialization for those GPUs, here")
 
 
@@ -296,11 +296,7 @@ def _default_run(torch: Any) -> list[Finding]:
         dtype_why = f"the model stores {stored}; this CPU lacks AVX512-BF16, so float32 is faster"
     else:
         dtype_why = f"the model stores {stored}"
-    if device.type == "cpu" and dtype == torch.float32:
-        weights = ("the embedded model's own Q4_1 blocks as they lie (gguf), on the native kernels that round "
-                   "activations to int16 (the PyTorch path runs the converted floats)")
-    else:
-        weights = f"as loaded, in {dtype_name} (a .gguf model's blocks run as they lie only in float32 runs on CPU)"
+    weights = _default_weight_plan(dtype, device)
     return [
         Finding("default run", "device", f"{device.type} (--device {config.device})"),
         Finding("default run", "attention", f"{backend.name} (--attention {config.attention}): {backend_why}"),
@@ -308,6 +304,29 @@ def _default_run(torch: Any) -> list[Finding]:
         Finding("default run", "weights", f"--quantize {config.quantize}: {weights}"),
         Finding("default run", "sampling", _default_sampling(device.type)),
     ]
+
+
+def _default_weight_plan(dtype: Any, device: Any) -> str:
+    """The weight plan (pagecli.models.weight_plan) of the embedded model at the default settings: how its
+    weights are kept and what runs them, by the engine's own rule. The kernels count where they are built
+    (doctor compiles nothing)."""
+    from pagecli import native
+    from pagecli.config.settings import EngineConfig
+    from pagecli.errors import PagecliError
+    from pagecli.models.gguf_files import tensor_types
+    from pagecli.models.source import converted_folder_for, default_model_gguf
+    from pagecli.models.weight_plan import plan_weights
+
+    ops = native.cpu_ops() if device.type == "cpu" and native.enabled() and native.is_built() else None
+    try:
+        source = default_model_gguf()
+        folder = converted_folder_for(source)  # its index, where converted, saves parsing the file
+        gguf_types = tensor_types(source, folder if folder.is_dir() else None)
+    except (PagecliError, OSError, ValueError):
+        gguf_types = None
+    plan = plan_weights(dtype, device, EngineConfig().quantize, ops, native.level() if ops is not None else "torch",
+                        gguf_types)
+    return plan.describe()
 
 
 def _default_sampling(device_type: str) -> str:

@@ -149,7 +149,7 @@ def quantized_kv_attention(kv_dtypes: list[str], num_layers: int, float_dtype: t
     query heads, 3 kv heads, head_dim 64), each layer its own cache: float_dtype's, then each quantized
     format (the query in float_dtype throughout)."""
     from pagecli import native
-    from pagecli.attention.kv_format import quantize_rows
+    from pagecli.kv_format import quantize_rows
 
     ops = native.cpu_ops()
     if ops is None:
@@ -187,7 +187,7 @@ def quantized_kv_attention(kv_dtypes: list[str], num_layers: int, float_dtype: t
 
 def batch_attention(ops, spec, bs: int) -> None:
     """Attention as the batch and shared-prefix workloads give it, over all layers' caches."""
-    from pagecli.attention.torch_backend import TorchAttentionBackend
+    from pagecli.attention.cpu_backend import CpuAttentionBackend
 
     gen = torch.Generator().manual_seed(0)
     lens = (torch.randint(39, 597, (64,), generator=gen) + 64).tolist()
@@ -205,8 +205,8 @@ def batch_attention(ops, spec, bs: int) -> None:
     else:
         print("prefill attention: pagecli's kernels need AMX tiles or AVX512-BF16, which this CPU lacks")
         return
-    native = TorchAttentionBackend(ops)
-    sdpa = TorchAttentionBackend(ops)
+    native = CpuAttentionBackend(ops)
+    sdpa = CpuAttentionBackend(ops)
     sdpa._native_prefill = lambda *args: False  # the per-sequence PyTorch path
     sdpa._prompts_as_decode_rows = lambda *args: False
     cases = {

@@ -10,7 +10,7 @@ contenders alternating within every repetition; medians with the range:
   pp512  a 512-token prompt prefilled (tokens/s), as llama-bench -p 512
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128; also the
          weight bytes a token reads x tokens/s as a share of the memory's read bandwidth, measured
-         by a plain read loop (pagecli.bench.bandwidth, a process of its own) right after each run,
+         by a plain read loop (pagecli.native.bandwidth, a process of its own) right after each run,
          since this machine's bandwidth swings between minutes (pagecli: the loaded weights' bytes,
          less an embedding table kept apart from the output layer, which gives one row a token;
          llama.cpp: the GGUF file's size)
@@ -81,7 +81,7 @@ print(json.dumps({"rate": rate, "read_bytes": read_bytes}))
 READ_CHILD = r"""
 import json, statistics, sys, torch
 from pagecli import native
-from pagecli.bench.bandwidth import read_bandwidth
+from pagecli.native.bandwidth import read_bandwidth
 torch.set_num_threads(int(sys.argv[1]))
 print(json.dumps({"rate": statistics.median(read_bandwidth(native.cpu_ops(), repeats=3))}))
 """

@@ -9,7 +9,7 @@ FLOP/s for a compute-bound one). Prefill rows also time PyTorch's own
 scaled_dot_product_attention on the same queries with K/V already contiguous (no paging, no
 prefix gathering): the flash-attention kernel PyTorch ships, as the figure to be held against.
 Afterwards it prints every specialization the run compiled with its registers, spills and shared
-memory, to hold against `python -m pagecli.kernels.aot --arch 90 --grouped`.
+memory, to hold against `python -m pagecli.attention.aot --arch 90 --grouped`.
 Needs CUDA; prints one line and exits 2 without it.
 """
 

@@ -17,7 +17,7 @@ from pagecli.bench.memory import memory_report, paged_requests_fit
 from pagecli.bench.summary import percentile
 from pagecli.bench.units import format_bytes, parse_size
 from pagecli.bench.workloads import BUILTIN_WORKLOADS, SHARED_SYSTEM_SENTENCES, builtin_workload, conversation_prompt
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError
 from pagecli.ui.report import sparkline

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import pagecli.cli.bench  # noqa: F401 - registers `pagecli bench`
 from pagecli.bench.report_files import check_report_path
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.errors import PagecliError
 
 MEMORY = ["bench", "memory", "--lengths", "800,2300", "--kv-bytes-per-token", "512"]

@@ -20,6 +20,7 @@ from native_levels import ops, skip_without_native  # noqa: F401 - ops is a fixt
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
+from pagecli.models import weight_plan
 from pagecli.models.layers import Linear
 
 skip_without_native()
@@ -80,7 +81,7 @@ PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42]
 @pytest.fixture
 def everywhere(monkeypatch):
     """The avx2 level's choice on any machine: every level's build has the kernel (AVX2 and FMA)."""
-    monkeypatch.setattr(native, "bf16_weights_wanted", lambda ops: bool(ops.has_bf16_weight_linear()))
+    monkeypatch.setattr(weight_plan, "float_panels_offered", lambda ops, level: bool(ops.has_bf16_weight_linear()))
 
 
 def bf16_checkpoint(folder, dest):
@@ -157,12 +158,12 @@ def test_float32_weights_go_on_float32_panels(tiny_model_factory, everywhere):
 
 def test_the_avx2_level_alone_keeps_bf16_weights_unless_turned_off(tiny_model_factory, tmp_path, monkeypatch):
     ops = native.cpu_ops()
-    assert native.bf16_weights_wanted(ops) == (native.level() == "avx2")
+    assert weight_plan.float_panels_offered(ops, native.level()) == (native.level() == "avx2")
     if native.level() == "avx2":
         folder = bf16_checkpoint(tiny_model_factory("llama3"), tmp_path / "m")
         with engine_for(folder) as engine:  # the real choice, no fixture: this level keeps bf16
             assert type(engine.loaded.model.output_packed).__name__ == "F32PanelLinear"
-        monkeypatch.setenv(native.BF16_WEIGHTS_VAR, "0")
-        assert not native.bf16_weights_wanted(ops)
+        monkeypatch.setenv(weight_plan.FLOAT_PANELS_VAR, "0")
+        assert not weight_plan.float_panels_offered(ops, native.level())
         with engine_for(folder) as engine:
             assert all(m.packed is None for m in engine.loaded.model.modules() if isinstance(m, Linear))

@@ -16,7 +16,7 @@ from chat_helpers import cli_args, run_cli
 from fake_engine import echo_engine  # noqa: F401 - the fixture
 
 from pagecli.cli import main
-from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES, LineTooLong, read_lines, split_chunks
+from pagecli.batch.input_lines import DEFAULT_MAX_LINE_BYTES, LineTooLong, read_lines, split_chunks
 
 
 def generate(src: Path | str, dst: Path | str, *extra: str) -> int:

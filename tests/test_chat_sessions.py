@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagecli.chat import session as sessions
-from pagecli.chat.controller import ChatController, ChatOptions
+from pagecli.chat.controller import ChatController
+from pagecli.chat.view import ChatOptions
 from pagecli.chat.conversation import Conversation, KnownPrefix, Turn
 from pagecli.errors import PagecliError
 from pagecli.paths import sessions_dir

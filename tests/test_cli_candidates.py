@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagecli.cli import main
-from pagecli.cli.line_results import LineResults
+from pagecli.batch.line_results import LineResults
 from pagecli.engine.engine import RequestEvent
 from test_cli_generate import generate, records
 

@@ -52,7 +52,7 @@ def test_gpu_line_says_why_the_gpu_path_is_unavailable_and_what_to_do():
     cpu_build = SimpleNamespace(__version__="2.13.0+cpu", version=SimpleNamespace(cuda=None))
     finding, compiler = doctor._gpu(cpu_build)
     assert finding.status == doctor.NOTE and "CPU-only build" in finding.value and "CUDA build" in finding.action
-    assert "pagecli.kernels.aot" in compiler.value + compiler.action
+    assert "pagecli.attention.aot" in compiler.value + compiler.action
     no_device = SimpleNamespace(__version__="2.13.0", version=SimpleNamespace(cuda="12.8"),
                                 cuda=SimpleNamespace(is_available=lambda: False))
     finding, _ = doctor._gpu(no_device)
@@ -117,10 +117,12 @@ def test_default_run_on_a_cpu_takes_the_torch_backend_and_says_why():
     assert findings["dtype"].value.split()[0] in ("bfloat16", "float32")
     weights = findings["weights"].value
     assert weights.startswith("--quantize auto: ")
-    if findings["dtype"].value.startswith("float32"):  # the embedded model's own blocks (gguf_blocks.auto_quantize)
-        assert "own Q4_1 blocks as they lie" in weights
-    else:
-        assert weights.startswith("--quantize auto: as loaded, in bfloat16")
+    from pagecli import native
+
+    if findings["dtype"].value.startswith("float32") and native.is_built():  # the embedded model's own blocks
+        assert "the GGUF file's own blocks (Q4_0/Q4_1 in 4 bits" in weights and "int16 kernels" in weights
+    else:  # the weight plan's choice for the floats
+        assert "--quantize auto: " in weights and "GGUF file's own blocks" not in weights
 
 
 def test_missing_embedded_model_says_how_to_install_it(monkeypatch):

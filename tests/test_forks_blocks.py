@@ -123,7 +123,7 @@ def test_each_backend_copies_blocks_in_every_layer(backend):
         pytest.importorskip("triton")
         from pagecli.attention.triton_backend import TritonAttentionBackend as Backend
     else:
-        from pagecli.attention.torch_backend import TorchAttentionBackend as Backend
+        from pagecli.attention.reference_backend import ReferenceAttentionBackend as Backend
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     kv = torch.randn(3, 2, 6, 4, 2, 8, device=device)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from pool_checks import check_engine_pool
 
 from pagecli.chat.commands import COMMANDS, Command, apply_settings, parse_line
-from pagecli.cli.batch_io import SAMPLING_KEYS, BadLine, BatchRequest, parse_json_line
-from pagecli.cli.generate import line_sampling
+from pagecli.batch.requests import SAMPLING_KEYS, BadLine, BatchRequest, parse_json_line
+from pagecli.batch.submit import line_sampling
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.config.profiles import parse_profile
 from pagecli.engine import Engine

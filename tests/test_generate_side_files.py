@@ -102,7 +102,7 @@ def test_a_run_that_ends_with_an_error_removes_its_lock(echo_engine, tmp_path, m
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("pagecli.cli.results_writer.append_line", refuse)
+    monkeypatch.setattr("pagecli.batch.results_writer.append_line", refuse)
     assert generate(prompts(tmp_path), tmp_path / "out.jsonl") == 1
     assert not (tmp_path / "out.jsonl.pagecli-lock").exists()
 

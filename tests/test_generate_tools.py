@@ -8,9 +8,9 @@ import json
 import pytest
 
 from pagecli.cli import main
-from pagecli.cli.batch_io import BadLine, BatchRequest, parse_json_line
-from pagecli.cli.line_results import LineResults
-from pagecli.cli.line_tools import record_fields
+from pagecli.batch.requests import BadLine, BatchRequest, parse_json_line
+from pagecli.batch.line_results import LineResults
+from pagecli.batch.line_tools import record_fields
 from pagecli.engine import RequestEvent
 from pagecli.models.messages import Conversation
 

@@ -15,7 +15,7 @@ from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError, PagecliError
-from pagecli.models import gguf_blocks, gguf_files
+from pagecli.models import gguf_blocks, gguf_files, weight_plan
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
 from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS, round_activations
@@ -140,27 +140,34 @@ def test_quantize_gguf_needs_a_gguf_model(tiny_model_factory):
         Engine(str(tiny_model_factory("llama")), EngineConfig(dtype="bfloat16", disk_cache=False, quantize="gguf"))
 
 
-AVX2_OPS = SimpleNamespace(int8_linear_kind=lambda: "avx2", int4_linear_kind=lambda: "avx2")
+AVX2_OPS = SimpleNamespace(int8_linear_kind=lambda: "avx2", int4_linear_kind=lambda: "avx2",
+                           has_packed_linear=lambda: False, has_amx=lambda: False, has_bf16_weight_linear=lambda: True)
+
+
+def auto_quantize(folder, dtype, ops):
+    """What --quantize auto runs for this folder, dtype and kernels (the weight plan's choice)."""
+    return weight_plan.plan_for_folder(folder, dtype, torch.device("cpu"), "auto", ops).quantize
 
 
 def test_auto_runs_a_gguf_models_blocks_only_where_it_runs_in_float32_on_the_native_kernels(
         smollm2_dir, tiny_model_factory, monkeypatch):
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "gguf"
-    vnni = SimpleNamespace(int8_linear_kind=lambda: "avx512_vnni", int4_linear_kind=lambda: "avx512_vnni")
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, vnni) == "gguf"  # float32: int16 kernels
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.bfloat16, vnni) == "none"  # int8 activations: lossy
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, None) == "none"  # the PyTorch path
-    unbuilt = SimpleNamespace(int8_linear_kind=lambda: "", int4_linear_kind=lambda: "")
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, unbuilt) == "none"
-    assert gguf_blocks.auto_quantize(tiny_model_factory("llama"), torch.float32, AVX2_OPS) == "none"  # not a GGUF
-    monkeypatch.setattr(gguf_blocks, "tensor_types", lambda path, folder=None: {"F16": 7, "F32": 2})
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # no blocks to run
+    assert auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "gguf"
+    vnni = SimpleNamespace(**{**vars(AVX2_OPS), "int8_linear_kind": lambda: "avx512_vnni",
+                              "int4_linear_kind": lambda: "avx512_vnni"})
+    assert auto_quantize(smollm2_dir, torch.float32, vnni) == "gguf"  # float32: int16 kernels
+    assert auto_quantize(smollm2_dir, torch.bfloat16, vnni) == "none"  # int8 activations: lossy
+    assert auto_quantize(smollm2_dir, torch.float32, None) == "none"  # the PyTorch path
+    unbuilt = SimpleNamespace(**{**vars(AVX2_OPS), "int8_linear_kind": lambda: "", "int4_linear_kind": lambda: ""})
+    assert auto_quantize(smollm2_dir, torch.float32, unbuilt) == "none"
+    assert auto_quantize(tiny_model_factory("llama"), torch.float32, AVX2_OPS) == "none"  # not a GGUF
+    monkeypatch.setattr(gguf_files, "tensor_types", lambda path, folder=None: {"F16": 7, "F32": 2})
+    assert auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # no blocks to run
 
     def unreadable(path, folder=None):
         raise ModelError("not a GGUF file")
 
-    monkeypatch.setattr(gguf_blocks, "tensor_types", unreadable)
-    assert gguf_blocks.auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # the floats still load
+    monkeypatch.setattr(gguf_files, "tensor_types", unreadable)
+    assert auto_quantize(smollm2_dir, torch.float32, AVX2_OPS) == "none"  # the floats still load
 
 
 def test_the_default_engine_runs_the_embedded_models_blocks_in_float32(smollm2_dir):

@@ -39,11 +39,10 @@ def test_the_converted_embedded_model_carries_an_index_equal_to_the_reader(smoll
 
 
 def test_a_folder_without_the_index_gets_it_on_first_need(tmp_path, monkeypatch):
-    from pagecli.models import gguf_convert
 
     parsed = []
-    real = gguf_convert._open_reader
-    monkeypatch.setattr(gguf_convert, "_open_reader", lambda path: parsed.append(path) or real(path))
+    real = gguf_index.open_reader
+    monkeypatch.setattr(gguf_index, "open_reader", lambda path: parsed.append(path) or real(path))
     first = read_tensors(default_model_gguf(), tmp_path)
     assert len(parsed) == 1 and (tmp_path / INDEX_FILE).is_file()
     second = read_tensors(default_model_gguf(), tmp_path)
@@ -54,10 +53,9 @@ def test_a_folder_without_the_index_gets_it_on_first_need(tmp_path, monkeypatch)
 @pytest.fixture
 def parses(monkeypatch, reader):
     """The files read_tensors parses with GGUFReader (the parse itself replaced by the module's one)."""
-    from pagecli.models import gguf_convert
 
     opened = []
-    monkeypatch.setattr(gguf_convert, "_open_reader",
+    monkeypatch.setattr(gguf_index, "open_reader",
                         lambda path: opened.append(path) or SimpleNamespace(tensors=list(reader.values())))
     return opened
 

@@ -1,5 +1,5 @@
 """The Triton kernels compile for real NVIDIA targets (sm_80, sm_90) on this CPU-only machine, without
-spills and within shared memory: `python -m pagecli.kernels.aot` on a sample covering every axis value.
+spills and within shared memory: `python -m pagecli.attention.aot` on a sample covering every axis value.
 
 Runs on the CPU (Triton compiles ahead of time with the ptxas its wheel ships); nothing here needs a GPU.
 """
@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from pagecli.kernels import aot
+from pagecli.attention import aot
 from pagecli.kernels.occupancy import ARCHS, theoretical_occupancy
 
 
 def _aot(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, don't interpret
-    return subprocess.run([sys.executable, "-m", "pagecli.kernels.aot", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagecli.attention.aot", *args], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from pagecli.errors import PagecliError
+from pagecli.models import weight_plan
 from pagecli.native import isa
 
 XEON_AMX = "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8"
@@ -78,8 +79,8 @@ def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
         assert f"{name} on {kind or 'the PyTorch reference'}" in line
     assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")
     assert f"==> weights: {native.weight_pages()}" in out
-    line = next(line for line in out.splitlines() if line.startswith("==> float32 models: "))
-    assert ("kept in bf16" in line) == native.bf16_weights_wanted(ops)
+    line = next(line for line in out.splitlines() if line.startswith("==> a float32 model's weights: "))
+    assert ("bf16 where every value is a bfloat16" in line) == weight_plan.float_panels_offered(ops, native.level())
 
 
 @pytest.mark.parametrize(("setting", "env", "expected"), [

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from pagecli.attention.metadata import AttentionMetadata  # noqa: E402
 from pagecli.attention.reference import reference_paged_attention, reference_store_kv  # noqa: E402
-from pagecli.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from pagecli.attention.reference_backend import ReferenceAttentionBackend  # noqa: E402
 from pagecli.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagecli.kernels import paged_decode_attention, paged_prefill_attention, store_kv  # noqa: E402
 from pagecli.kernels.common import interpreting  # noqa: E402
@@ -320,7 +320,7 @@ def test_triton_backend_step_equals_torch_backend(query_lens, num_decode_seqs):
     value = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(DEVICE)
 
     results = []
-    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+    for backend in (TritonAttentionBackend(), ReferenceAttentionBackend()):
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
         backend.store_kv(key, value, k_cache, v_cache, meta)
         results.append((k_cache, v_cache, backend.forward(batch.query, k_cache, v_cache, meta, batch.scale)))

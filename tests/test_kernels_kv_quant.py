@@ -1,4 +1,4 @@
-"""The Triton kernels on a quantized KV cache (--kv-dtype int8|fp8, pagecli/attention/kv_format.py): the store
+"""The Triton kernels on a quantized KV cache (--kv-dtype int8|fp8, pagecli/kv_format.py): the store
 writes the bytes of kv_format.quantize_rows, and decode and prefill over int8/fp8 rows match the fp32 reference
 run on the same caches dequantized by kv_format.dequantize_rows. On a GPU when there is one, else in Triton's
 interpreter (small shapes: it runs one program at a time).
@@ -20,9 +20,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from pagecli.attention.block_copy import copy_blocks  # noqa: E402
-from pagecli.attention.kv_format import KVFormat, dequantize_rows, quantize_rows  # noqa: E402
+from pagecli.kv_format import KVFormat, dequantize_rows, quantize_rows  # noqa: E402
 from pagecli.attention.metadata import AttentionMetadata  # noqa: E402
-from pagecli.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from pagecli.attention.reference_backend import ReferenceAttentionBackend  # noqa: E402
 from pagecli.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagecli.kernels import store_kv  # noqa: E402
 from pagecli.kernels.common import e4m3fn_bits, round_half_even, widen_quantized  # noqa: E402
@@ -245,7 +245,7 @@ def test_triton_backend_step_on_quantized_cache_equals_torch_backend(name):
     value = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(DEVICE)
 
     results = []
-    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+    for backend in (TritonAttentionBackend(), ReferenceAttentionBackend()):
         k_cache, v_cache = quantized.k_cache.clone(), quantized.v_cache.clone()
         backend.store_kv(key, value, k_cache, v_cache, meta)
         results.append((k_cache, v_cache, backend.forward(batch.query, k_cache, v_cache, meta, batch.scale)))

@@ -116,7 +116,7 @@ def test_sigkill_at_random_points_then_rerun_gives_every_line_once_in_order(tiny
 
 def test_ctrl_c_right_after_a_result_is_written_counts_it(tiny_llama, tmp_path, monkeypatch, capsys):
     """SIGINT lands while the third result is being written: the summary counts exactly what the file holds."""
-    from pagecli.cli.results_writer import ResultWriter
+    from pagecli.batch.results_writer import ResultWriter
 
     src, dst = tmp_path / "in.txt", tmp_path / "out.jsonl"
     write_prompts(src)
@@ -178,7 +178,7 @@ def assert_ordered_prefix_of(records: list[dict], reference: list[dict]) -> None
 HOLD_THE_LOCK = """
 import sys, time
 from pathlib import Path
-from pagecli.cli.side_files import OutputLock
+from pagecli.batch.side_files import OutputLock
 with OutputLock(Path(sys.argv[1]), sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)

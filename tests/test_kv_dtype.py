@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagecli.attention.kv_format import (
-    KVFormat, dequantize_rows, format_of_cache, kv_fingerprint_name, quantize_rows, resolve_kv_format,
+from pagecli.kv_format import (
+    KVFormat, dequantize_rows, format_of_cache, quantize_rows, resolve_kv_format,
 )
 from pagecli.config import EngineConfig, SamplingParams
+from pagecli.models.fingerprint import kv_fingerprint_name
 from pagecli.engine import Engine
 from pagecli.errors import PagecliError
 

@@ -16,7 +16,7 @@ import torch
 
 from pagecli import native
 from pagecli.attention import AttentionMetadata
-from pagecli.attention.kv_format import dequantize_rows, quantize_rows
+from pagecli.kv_format import dequantize_rows, quantize_rows
 from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig
 from pagecli.engine import Engine

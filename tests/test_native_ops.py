@@ -21,6 +21,7 @@ from pagecli.attention import AttentionMetadata
 from pagecli.attention.reference import reference_paged_attention
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
+from pagecli.models import weight_plan
 from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 from native_levels import threads
@@ -585,7 +586,7 @@ def test_the_decode_step_as_one_team_matches_the_python_layer_loop_at_any_thread
             pytest.skip("no native kernels: the Python layer loop runs")
         if dtype == "bfloat16" and not ops.has_packed_linear():
             pytest.skip("no packed bf16 products at this level: DecodeStep runs kernel by kernel")
-        if quantize == "none" and dtype == "float32" and not native.bf16_weights_wanted(ops):
+        if quantize == "none" and dtype == "float32" and not weight_plan.float_panels_offered(ops, native.level()):
             pytest.skip("float32 products on F32PanelLinear only at the avx2 level")
         if quantize != "none" and not ops.int8_linear_kind():
             pytest.skip("no AVX2 quantized products in this build")

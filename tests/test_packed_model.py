@@ -1,4 +1,4 @@
-"""A bf16 model on the packed GEMM (CausalLM.use_cpu_ops with packing): every product, the output
+"""A bf16 model on the packed GEMM (the weight plan's bf16-panels form): every product, the output
 layer's and the C++ decode step's included, runs on pagecli.native's packed panels; the row-layout
 weights are gone; greedy output is the same whatever the batching, and PAGECLI_PACKED_GEMM=0 turns
 it off."""
@@ -11,9 +11,10 @@ import torch
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
+from pagecli.models import weight_plan
 from pagecli.models.layers import Embedding, Linear
 
-if not native.enabled() or native.cpu_ops() is None or not native.packed_gemm_wanted(native.cpu_ops()):
+if not native.enabled() or native.cpu_ops() is None or not weight_plan.bf16_panels_offered(native.cpu_ops()):
     pytest.skip("the packed GEMM is not what this machine's level runs (no AVX512-BF16, AMX, or turned off)",
                 allow_module_level=True)
 
@@ -61,7 +62,7 @@ def test_packed_logits_equal_the_row_layout_products_on_the_same_rows(tiny_model
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     with engine_for(folder) as engine:
         packed_logits = engine.loaded.model.compute_logits(hidden)
-    monkeypatch.setenv(native.PACKED_GEMM_VAR, "0")
+    monkeypatch.setenv(weight_plan.PACKED_GEMM_VAR, "0")
     with engine_for(folder) as engine:
         model = engine.loaded.model
         assert model.output_packed is None and model.output_weight is not None

@@ -21,7 +21,8 @@ from pagecli.engine import Engine
 from pagecli.models.layers import Linear
 from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS
 from pagecli.models.quantize_int4 import (
-    GROUP, Int4Reference, dequantize_int4, int4_blocks_reference, pack_nibbles, quantize_int4, unpack_nibbles,
+    GROUP, Int4Reference, dequantize_int4, int4_blocks_reference, int4_product, pack_nibbles, quantize_int4,
+    unpack_nibbles,
 )
 from pagecli.native import isa
 from test_quant_int8 import KERNELS, assert_within_activation_rounding, check_quantized_product
@@ -233,7 +234,7 @@ def test_a_layer_on_the_torch_reference_matches_the_kernel_layer(ops):
     lin = Linear(96, 100, bias=True)
     lin.weight = torch.nn.Parameter(torch.zeros(100, 96), requires_grad=False)
     lin.bias = torch.nn.Parameter(b, requires_grad=False)
-    lin.use_int4(q, scale, minimum, ops)
+    lin.use_product(*int4_product(q, scale, minimum, b, ops))
     x = activations(3, 96, torch.bfloat16)
     levels = INT8_LEVELS if lin.packed.kind == "avx512_vnni" else INT16_LEVELS  # the activations' rounding
     assert_within_activation_rounding(lin(x), x, dequantize_int4(q, scale, minimum), b, levels, "the layer")

@@ -259,10 +259,10 @@ def test_the_output_layer_runs_on_int8_and_a_tied_table_keeps_its_rows(tiny_mode
 def test_quantize_is_checked_and_cpu_only():
     with pytest.raises(PagecliError, match="quantize must be one of auto, none, int8, int4, gguf"):
         EngineConfig(quantize="int3")
-    from pagecli.models.quantize import check_quantize_device
+    from pagecli.models.weight_plan import plan_weights
 
     with pytest.raises(PagecliError, match="CPU only"):
-        check_quantize_device("int8", torch.device("cuda"))
+        plan_weights(torch.bfloat16, torch.device("cuda"), "int8", None, "torch")
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def test_prompt_keys_follow_the_chat_template_and_the_text(tiny_llama):
 
 
 def run_settings(**engine):
-    from pagecli.cli.options import RunSettings
+    from pagecli.config import RunSettings
     from pagecli.config import EngineConfig, Profile, SamplingParams
 
     return RunSettings(None, Profile("test", None), EngineConfig(**engine), SamplingParams())

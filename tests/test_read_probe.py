@@ -1,4 +1,4 @@
-"""The read bandwidth's probe (pagecli/native/read_probe.cpp, pagecli/bench/bandwidth.py): it reads every
+"""The read bandwidth's probe (pagecli/native/read_probe.cpp, pagecli/native/bandwidth.py): it reads every
 byte once, whichever thread takes which part, at every compiled level, and `python -m pagecli.native
 --bandwidth` prints the figure."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagecli.bench.bandwidth import probe_buffer, read_bandwidth
+from pagecli.native.bandwidth import probe_buffer, read_bandwidth
 
 from native_levels import ops, skip_without_native, threads  # noqa: F401 - ops: the fixture, once per compiled level
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fake_engine import EchoEngine, echo_engine  # noqa: F401 - the fixture
 
-import pagecli.cli.results_writer as results_writer
+import pagecli.batch.results_writer as results_writer
 from pagecli.cli import main
 
 

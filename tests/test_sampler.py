@@ -213,7 +213,7 @@ def test_penalties_and_biases_out_of_range_are_refused(bad):
 
 
 def test_a_batch_line_takes_penalties_and_bias_and_refuses_echo_and_suffix():
-    from pagecli.cli.batch_io import BadLine, parse_json_line, sampling_with
+    from pagecli.batch.requests import BadLine, parse_json_line, sampling_with
 
     line = parse_json_line('{"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -0.5, '
                            '"logit_bias": {"7": -100}}', 1)

@@ -1,18 +1,20 @@
 """Attention backends over the paged KV cache, and the choice between them.
 
-`triton` runs our kernels (pagecli.kernels) on CUDA; `torch` runs everywhere.
+`triton` runs our kernels (pagecli.kernels) on CUDA; `torch` runs everywhere: pagecli's compiled CPU
+kernels where they are built (cpu_backend.py), else PyTorch (reference_backend.py).
 Both read and write the same NHD cache layout: [num_blocks, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from pagecli.attention.metadata import AttentionMetadata
 from pagecli.errors import PagecliError
+from pagecli.native.interface import CpuOps
 
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 
@@ -39,17 +41,21 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def select_backend(name: str, device: torch.device, cpu_ops: Any = None) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, cpu_ops: CpuOps | None = None) -> AttentionBackend:
     """Resolve --attention auto|triton|torch for a device; triton needs CUDA unless interpreting.
-    cpu_ops (pagecli.native) speeds up the torch backend's decode on the CPU."""
+    cpu_ops (pagecli.native): `torch` on the CPU runs them (CpuAttentionBackend), else PyTorch alone."""
     if name not in ATTENTION_CHOICES:
         raise PagecliError(f"Unknown attention backend '{name}'; choose one of: {', '.join(ATTENTION_CHOICES)}.")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from pagecli.attention.torch_backend import TorchAttentionBackend
+        if cpu_ops is not None and device.type == "cpu":
+            from pagecli.attention.cpu_backend import CpuAttentionBackend
 
-        return TorchAttentionBackend(cpu_ops if device.type == "cpu" else None)
+            return CpuAttentionBackend(cpu_ops)
+        from pagecli.attention.reference_backend import ReferenceAttentionBackend
+
+        return ReferenceAttentionBackend()
     if device.type != "cuda" and not triton_interpreting():
         raise PagecliError(
             "The triton attention backend needs an NVIDIA GPU (or TRITON_INTERPRET=1 for testing); "

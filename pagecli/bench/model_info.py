@@ -35,7 +35,7 @@ class ModelKV:
         """KV bytes per token with the cache in `kv_dtype` (--kv-dtype: int8/fp8 add a 2-byte scale per row)."""
         import torch
 
-        from pagecli.attention.kv_format import resolve_kv_format
+        from pagecli.kv_format import resolve_kv_format
 
         fmt = resolve_kv_format(kv_dtype, getattr(torch, self.dtype), self.head_dim)
         return fmt.bytes_per_token(self.num_layers, self.num_kv_heads)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagecli.attention import AttentionMetadata
-from pagecli.attention.kv_format import KVFormat
+from pagecli.kv_format import KVFormat
 from pagecli.errors import PagecliError
 
 MIN_CTX = 8

@@ -3,7 +3,8 @@ multi-line input, slash commands and saved sessions. Plain Python: the Rich scre
 `pagecli.ui`, the Typer command in `pagecli.cli.chat`.
 """
 
-from pagecli.chat.controller import ChatController, ChatView
+from pagecli.chat.controller import ChatController
+from pagecli.chat.view import ChatView
 from pagecli.chat.conversation import Conversation, KnownPrefix, Turn
 from pagecli.chat.turn import StopFlag, TurnResult, TurnStats, run_turn
 

@@ -11,8 +11,7 @@ before that line, and the chat goes on. The slash commands themselves are in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pagecli.chat import session as sessions
 from pagecli.chat.commands import Command, parse_line, unknown_command_hint
@@ -23,42 +22,9 @@ from pagecli.chat.session_lock import SessionLock
 from pagecli.chat.slash_commands import HANDLERS
 from pagecli.chat.truncation import fit_prompt, reply_reserve_tokens
 from pagecli.chat.turn import StopFlag, TurnResult, TurnStats, TurnTracker, run_turn
+from pagecli.chat.view import ChatOptions, ChatView, TurnRecord
 from pagecli.config.settings import SamplingParams
-from pagecli.engine.stats import EngineStats
 from pagecli.errors import PagecliError
-
-LiveStatus = Callable[[], tuple[EngineStats, TurnStats]]
-
-
-@dataclass(frozen=True)
-class TurnRecord:
-    """A finished turn as the views show it."""
-
-    number: int  # 1-based, counting turns dropped by truncation
-    user: str
-    result: TurnResult
-    dropped_turns: int
-
-
-class ChatView(Protocol):
-    def notice(self, message: str) -> None: ...
-    def problem(self, message: str) -> None: ...
-    def begin_reply(self, live_status: LiveStatus) -> None: ...
-    def reply_text(self, delta: str) -> None: ...
-    def refresh(self) -> None: ...
-    def end_reply(self, record: TurnRecord | None) -> None: ...  # None: the turn failed before a reply
-    def show_help(self, rows: list[tuple[str, str]]) -> None: ...
-    def show_stats(self, stats: EngineStats) -> None: ...
-    def toggle_pool(self, stats: EngineStats, turn: TurnStats | None) -> None: ...
-    def show_transcript(self, conversation: Conversation) -> None: ...
-
-
-@dataclass
-class ChatOptions:
-    truncate: bool = True  # False (--no-truncate): a too-long conversation is an error message
-    session_name: str | None = None  # where /save without a name and autosave write
-    autosave: bool = False  # save the session after every turn (and hold its lock meanwhile)
-    model_name: str | None = None  # as the user gave it; stored in sessions
 
 
 class ChatController:

@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
-from pagecli.chat.controller import LiveStatus, TurnRecord
+from pagecli.chat.view import LiveStatus, TurnRecord
 from pagecli.chat.conversation import Conversation
 from pagecli.chat.multiline import Entry, read_entries
 from pagecli.chat.turn import TurnStats

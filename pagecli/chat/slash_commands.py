@@ -7,15 +7,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pagecli.chat import session as sessions
 from pagecli.chat.commands import COMMANDS, apply_settings, describe_format, describe_sampling
+from pagecli.chat.conversation import Conversation
+from pagecli.chat.turn import TurnStats
+from pagecli.chat.view import ChatOptions, ChatView
+from pagecli.config.settings import SamplingParams
 from pagecli.config.structured import StructuredSpec, spec_from_schema_file
 from pagecli.errors import PagecliError
 
-if TYPE_CHECKING:
-    from pagecli.chat.controller import ChatController
+
+class ChatController(Protocol):
+    """What a slash command uses of the running chat: pagecli.chat.controller.ChatController, which
+    dispatches to the handlers below (so this module does not import it)."""
+
+    engine: Any
+    sampling: SamplingParams
+    view: ChatView
+    options: ChatOptions
+    conversation: Conversation
+    last_turn: TurnStats | None
+
+    def send(self, user_text: str) -> Any: ...
+    def adopt(self, conversation: Conversation) -> None: ...
+    def claim_session(self, name: str) -> None: ...
+    def autosave(self) -> None: ...
 
 _PREVIEW_CHARS = 40
 

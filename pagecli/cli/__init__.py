@@ -15,18 +15,12 @@ import typer
 
 from pagecli import __version__
 from pagecli.cli import help_style
+from pagecli.cli.app import app
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 from pagecli.native import isa
 from pagecli.ui.progress import error_line
 
-app = typer.Typer(
-    name="pagecli",
-    help="Local LLM inference in the terminal: paged KV cache, prefix reuse, continuous batching.",
-    add_completion=False,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
 
 
 def _version(value: bool) -> None:

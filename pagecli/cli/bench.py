@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 
@@ -258,8 +258,8 @@ def file_workload(path: str, base: SamplingParams, count: int | None, max_tokens
     from dataclasses import replace
 
     from pagecli.bench.workloads import BenchRequest, Workload
-    from pagecli.cli.batch_io import BadLine, detect_format, parse_requests, read_input
-    from pagecli.cli.generate import line_sampling
+    from pagecli.batch.requests import BadLine, detect_format, parse_requests, read_input
+    from pagecli.batch.submit import line_sampling
 
     lines = read_input(path)
     items = list(parse_requests(lines, detect_format(path, lines, "auto")))[:count]

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pagecli.bench.units import format_bytes, parse_size
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.ui.progress import say
 
 cache_app = typer.Typer(

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Annotated, Optional, TextIO
 
 import typer
 
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 
 if TYPE_CHECKING:
-    from pagecli.chat.controller import ChatOptions
+    from pagecli.chat.view import ChatOptions
     from pagecli.chat.conversation import Conversation
     from pagecli.chat.session import SessionListing
     from pagecli.chat.session_lock import SessionLock
@@ -118,7 +118,7 @@ def _starting_conversation(session: str | None, resume: str | None, system: str 
 def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None, lock: SessionLock | None,
           input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
           max_line_bytes: int = _MAX_LINE_BYTES) -> int:
-    from pagecli.chat.controller import ChatOptions
+    from pagecli.chat.view import ChatOptions
     from pagecli.engine import Engine
     from pagecli.ui.progress import say
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pagecli.cli import app
+from pagecli.cli.app import app
 
 if TYPE_CHECKING:
     from pagecli.doctor import DoctorReport

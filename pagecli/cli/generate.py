@@ -1,8 +1,9 @@
 """`pagecli generate`: batch file-to-file generation with continuous batching and resume.
 
-The input is read by batch_io.py; the output is checked by results_file.py before anything is
-written, and written by results_writer.py (locked, journaled, in input order). A line that cannot
-run, whatever raised, becomes that line's error record through `request_failure`; the rest go on.
+The batch library (pagecli/batch) does the work: the input is read by requests.py; the output is
+checked by results_file.py before anything is written, and written by results_writer.py (locked,
+journaled, in input order); submit.py queues each line, a line that cannot run becoming its error
+record. This module chooses between a local run and Ray workers and drives the local one.
 """
 
 from __future__ import annotations
@@ -11,24 +12,15 @@ import time
 from typing import Any
 
 from pagecli.chat.turn import StopFlag
-from pagecli.cli.batch_io import BadLine, BatchRequest, input_name, read_requests, sampling_with
-from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES
-from pagecli.cli.line_results import LineResults
-from pagecli.cli.line_tools import record_fields
-from pagecli.cli.options import RunSettings
-from pagecli.cli.results_file import RunIdentity, plan_resume, scan_output, settings_digest
-from pagecli.cli.results_writer import ResultWriter, open_results
-from pagecli.config import SamplingParams
-from pagecli.errors import PagecliError, request_failure
+from pagecli.batch.input_lines import DEFAULT_MAX_LINE_BYTES
+from pagecli.batch.line_results import LineResults
+from pagecli.batch.requests import BadLine, BatchRequest, input_name, read_requests
+from pagecli.batch.results_file import RunIdentity, plan_resume, scan_output, settings_digest
+from pagecli.batch.results_writer import ResultWriter, open_results
+from pagecli.batch.submit import submit_line
+from pagecli.config import RunSettings
+from pagecli.errors import PagecliError
 from pagecli.ui.progress import GenerateProgress, load_summary, say
-
-def line_sampling(base: SamplingParams, overrides: dict[str, Any], line: int) -> SamplingParams:
-    """The run's sampling settings with one input line's fields on top; a bad value names the line."""
-    try:
-        return sampling_with(base, overrides)
-    except PagecliError as exc:
-        raise PagecliError(f"line {line}: {exc}") from None
-
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
                  progress: bool | None, retry_errors: bool = False, cluster: Any = None,
@@ -97,28 +89,6 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
         engine.close()  # waits for pending disk-store writes
         for warning in engine.take_warnings():
             say(f"Warning: {warning}", style="yellow")
-
-
-def submit_line(engine: Any, settings: RunSettings, item: BatchRequest | BadLine, writer: Any,
-                results: LineResults) -> bool:
-    """Queues one line; a line that cannot run gets its error record at once (`writer.save`). True when
-    queued. Ray workers queue their lines here too (pagecli/cluster/worker.py)."""
-    if isinstance(item, BadLine):
-        writer.save({"id": item.request_id, "line": item.line, "error": item.error})
-        return False
-    try:
-        sampling = line_sampling(settings.sampling, item.sampling, item.line)
-        engine.add_request(item.prompt, sampling, str(item.line))
-        results.expect(item.line, item.request_id, sampling.n,
-                       record_fields(item.tools, getattr(engine, "chat_template", None)))
-    except Exception as exc:  # noqa: BLE001 - request_failure sorts the line's fault from a bug
-        message = request_failure(exc)
-        if message is None:
-            raise
-        prefix = "" if message.startswith(f"line {item.line}: ") else f"line {item.line}: "
-        writer.save({"id": item.request_id, "line": item.line, "error": prefix + message})
-        return False
-    return True
 
 
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.ui.progress import say
 
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pagecli.config import EngineConfig, Profile, SamplingParams, load_profile
+from pagecli.config import RunSettings, load_profile
 from pagecli.config.structured import spec_from_schema_file
 from pagecli.errors import PagecliError
 
@@ -208,14 +208,6 @@ MODEL_FLAGS: tuple[inspect.Parameter, ...] = (
         Optional[str], _opt("--profile", "-p", help="Profile name (see `pagecli profiles`) or path to a TOML file.",
                             metavar="PROFILE")]),
 )
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    model: str | None
-    profile: Profile
-    engine: EngineConfig
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True)

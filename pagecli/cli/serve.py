@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pagecli.cli import app
+from pagecli.cli.app import app
 from pagecli.cli import options as o
 from pagecli.errors import PagecliError
 

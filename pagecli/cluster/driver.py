@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagecli.chat.turn import StopFlag
-from pagecli.cli.batch_io import BadLine, BatchRequest
-from pagecli.cli.options import RunSettings
-from pagecli.cli.results_writer import ResultWriter
+from pagecli.batch.requests import BadLine, BatchRequest
+from pagecli.config import RunSettings
+from pagecli.batch.results_writer import ResultWriter
 from pagecli.cluster.launch import ClusterOptions, failure_reason, ray_session, start_workers, stop_workers, wait_ready
 from pagecli.cluster.prompt_keys import PromptKeys
 from pagecli.cluster.routing import Router

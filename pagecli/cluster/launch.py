@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pagecli.cli.options import RunSettings
+from pagecli.config import RunSettings
 from pagecli.cluster.worker import EngineWorker, forwarded_env
 from pagecli.errors import PagecliError
 

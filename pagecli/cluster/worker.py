@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagecli.cli.batch_io import BatchRequest
-from pagecli.cli.line_results import LineResults
-from pagecli.cli.options import RunSettings
+from pagecli.batch.requests import BatchRequest
+from pagecli.batch.line_results import LineResults
+from pagecli.config import RunSettings
 from pagecli.engine.stats import EngineStats
 
 FORWARDED_ENV_PREFIXES = ("PAGECLI_", "HF_")  # the user's pagecli and hub settings follow the job to its workers
@@ -68,7 +68,7 @@ class EngineWorker:
         return os.getpid()
 
     def advance(self, items: list[BatchRequest], min_s: float, max_s: float) -> WorkerReport:
-        from pagecli.cli.generate import submit_line
+        from pagecli.batch.submit import submit_line
 
         for item in items:
             submit_line(self.engine, self.settings, item, self.outbox, self.results)

@@ -186,3 +186,13 @@ def _type_name(tp: Any) -> str:
         return "a list of strings"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What one command runs: the model as named, its profile, and the engine and sampling settings
+    (the profile with the command's flags on top: pagecli.cli.options.RunFlags.settings)."""
+
+    model: str | None
+    profile: Profile
+    engine: EngineConfig
+    sampling: SamplingParams

@@ -14,10 +14,10 @@ from pagecli.errors import PagecliError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-# auto: a .gguf model's own blocks where a float32 model runs them on pagecli.native (gguf_blocks.auto_quantize),
-# else as loaded; int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
+# auto: a .gguf model's own blocks where a float32 model runs them on pagecli.native, else as loaded
+# (pagecli/models/weight_plan.py decides); int8 per channel, 4-bit groups, a GGUF's own blocks (CPU)
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "gguf")
-# How K/V lie in the pool (pagecli/attention/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
+# How K/V lie in the pool (pagecli/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
 KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here

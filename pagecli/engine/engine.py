@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagecli.attention import select_backend
-from pagecli.attention.kv_format import kv_fingerprint_name, resolve_kv_format
+from pagecli.kv_format import resolve_kv_format
 from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
 from pagecli.config.structured import StructuredSpec
 from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
@@ -43,9 +41,11 @@ from pagecli.engine.structured import GrammarCompiler
 from pagecli.models.messages import Conversation, developer_as_system, read_messages
 from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
-from pagecli.models.fingerprint import model_fingerprint
-from pagecli.models.decoder import CausalLM
-from pagecli.models.loader import LoadedModel, load_hf_config, load_model, resolve_device, resolve_dtype
+from pagecli.native.interface import CpuOps
+from pagecli.models.fingerprint import kv_fingerprint_name, model_fingerprint
+from pagecli.models.loader import LoadedModel, load_model, resolve_device
+from pagecli.models.weight_forms import WeightPlacer
+from pagecli.models.weight_plan import plan_for_folder
 from pagecli.store.blobs import BlockGeometry
 from pagecli.store.files import resolve_store_dir
 from pagecli.store.tier import DiskTier
@@ -109,17 +109,18 @@ class Engine:
             folder = resolve_model(model, progress)
             device = resolve_device(self.config.device)
             cpu_ops = self._cpu_ops(device, progress)
-            self.quantize = self._resolve_quantize(folder, lambda: resolve_dtype(
-                self.config.dtype, load_hf_config(folder), device), cpu_ops)
-            # --quantize gguf: the decoder's products come from the file's blocks, their floats never read.
-            on_blocks = (lambda model, index: model.weights_on_gguf_blocks(index)) if self.quantize == "gguf" else None
+            self.plan = plan_for_folder(folder, self.config.dtype, device, self.config.quantize, cpu_ops)
+            placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
             loaded = load_model(folder, self.config.dtype, self.config.device,
                                 max_positions=self._context_cap_for(folder),
-                                layer_ready=self._quantize_as_loaded(cpu_ops, progress), layer_provided=on_blocks)
+                                layer_ready=placer.layer_ready, layer_provided=placer.layer_provided)
             model = model or DEFAULT_MODEL_NAME
         else:
             cpu_ops = self._cpu_ops(loaded.device, progress)
-            self.quantize = self._resolve_quantize(loaded.folder, lambda: loaded.dtype, cpu_ops)
+            self.plan = plan_for_folder(loaded.folder, loaded.dtype, loaded.device, self.config.quantize, cpu_ops)
+            placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
+        placer.finish(loaded.model)
+        self.quantize = self.plan.quantize
         self.loaded = loaded
         self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
@@ -127,10 +128,6 @@ class Engine:
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
         # The CPU kernels' greedy and sampling entry points (None: tensor operations on the logits' device).
         self._sampling_ops = cpu_ops
-        if cpu_ops is not None:
-            loaded.model.use_cpu_ops(cpu_ops, quantize=self.quantize)
-        else:
-            loaded.model.quantize_weights(self.quantize)  # PyTorch's int8 reference, or a refusal off the CPU
         self.kv_format = resolve_kv_format(self.config.kv_dtype, loaded.dtype, spec.head_dim)
         kv_bytes_per_token = self.kv_format.bytes_per_token(spec.num_layers, spec.num_kv_heads)
         self.kv_bytes_per_block = kv_bytes_per_token * self.config.block_size
@@ -161,7 +158,7 @@ class Engine:
         self._tokens_generated = 0
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
 
-    def _cpu_ops(self, device: torch.device, progress: Callable[[str], None] | None) -> Any:
+    def _cpu_ops(self, device: torch.device, progress: Callable[[str], None] | None) -> CpuOps | None:
         """pagecli's compiled CPU kernels (None on a GPU, or when they cannot be built: then say so once)."""
         if device.type != "cpu":
             return None
@@ -172,63 +169,6 @@ class Engine:
             self._warnings.append(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}; "
                                   "using the slower PyTorch path.")
         return ops
-
-    def _resolve_quantize(self, folder: Path, dtype: Callable[[], torch.dtype], cpu_ops: Any) -> str:
-        """The --quantize this engine runs: as given, or for `auto` (the default) gguf_blocks.auto_quantize's
-        choice (a .gguf model's own blocks where a float32 model runs them on the int16 kernels, else none)."""
-        if self.config.quantize != "auto":
-            return self.config.quantize
-        from pagecli.models import gguf_blocks
-
-        if cpu_ops is None or gguf_blocks.gguf_source(folder) is None:  # no config read for the common case
-            return "none"
-        return gguf_blocks.auto_quantize(folder, dtype(), cpu_ops)
-
-    def _quantize_as_loaded(self, cpu_ops: Any, progress: Callable[[str], None] | None
-                            ) -> Callable[[CausalLM, int], None] | None:
-        """With --quantize, each decoder layer quantized (or put on its GGUF file's blocks) as soon as its
-        weights are loaded (load_model's layer_ready): a 7B-shaped model loads to int4 within 6 GB
-        instead of the 19 GB its float weights took at once."""
-        quantize = self.quantize
-        if quantize == "none":
-            return self._float_panels_as_loaded(cpu_ops)
-        say = progress or (lambda message: None)
-        if quantize != "gguf":
-            say(f"Quantizing the weights to {quantize} as they load")
-        elif self.config.quantize == "auto":
-            say("Running the GGUF file's own quantized blocks as they lie (--quantize auto; "
-                "--quantize none runs the converted floats)")
-        else:
-            say("Putting the weights on the GGUF file's own blocks as they load")
-        done = [0, time.monotonic()]  # layers done, when progress was last said
-
-        def ready(model: CausalLM, index: int) -> None:
-            model.quantize_layer(index, quantize, cpu_ops)
-            return_freed_load_memory()  # the layer's float weights: about 1 GiB of the 7B's peak kept otherwise
-            done[0] += 1
-            if time.monotonic() - done[1] >= 10 and done[0] < model.spec.num_layers:
-                say(f"{done[0]} of {model.spec.num_layers} layers loaded and "
-                    + ("put on their blocks" if quantize == "gguf" else f"quantized to {quantize}"))
-                done[1] = time.monotonic()
-
-        return ready
-
-    @staticmethod
-    def _float_panels_as_loaded(cpu_ops: Any) -> Callable[[CausalLM, int], None] | None:
-        """A float32 model on the avx2 level runs its products on F32PanelLinear, bf16-valued weights kept
-        in bf16 (CausalLM.use_cpu_ops); doing it as each layer loads keeps the float32 copy of only one
-        layer at a time: a 1.7B model converted from bf16 then peaks at 4.0 GiB instead of 7.4-8.4."""
-        from pagecli import native
-
-        if cpu_ops is None or not native.bf16_weights_wanted(cpu_ops):
-            return None
-
-        def ready(model: CausalLM, index: int) -> None:
-            if model.model.norm.weight.dtype == torch.float32:
-                model.float_panels_layer(index, cpu_ops)
-                return_freed_load_memory()
-
-        return ready
 
     def _use_threads(self, threads: int) -> None:
         """Set torch's CPU threads; more than the cores this process may run on is allowed, with a warning."""
@@ -610,7 +550,7 @@ class Engine:
             slots_unused=sum(len(s.block_table) * self.pool.block_size - s.num_computed_tokens
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
-            kv_dtype=self.kv_format.name, quantize=self.quantize,
+            kv_dtype=self.kv_format.name, quantize=self.quantize, weight_forms=self.plan.summary(),
         )
 
 

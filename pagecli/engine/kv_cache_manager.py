@@ -16,12 +16,12 @@ copy (source -> destination) in `pending_copies`, which the engine runs before t
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.hashing import block_hash
 from pagecli.engine.sequence import Sequence
+from pagecli.store.cached_block import CachedBlock
 
 
 class PrefixTier(Protocol):
@@ -34,17 +34,6 @@ class PrefixTier(Protocol):
     def load_run(self, run: SequenceOf[Any], block_ids: list[int]) -> int:
         """Write the run's KV into these pool blocks in one batched copy; returns how many leading blocks loaded."""
         ...
-
-
-@dataclass(frozen=True)
-class CachedBlock:
-    """A full block the pool holds under its chained hash: what the disk tier needs to persist it."""
-
-    block_id: int
-    block_hash: bytes
-    parent_hash: bytes
-    depth: int  # position in the chain: block `depth` holds tokens [depth * block_size, (depth + 1) * block_size)
-    token_ids: tuple[int, ...]
 
 
 class KVCacheManager:

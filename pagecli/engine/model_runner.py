@@ -1,7 +1,7 @@
 """Runs one scheduled step through the model: flat batch in, logits of the sampled positions out.
 
 Owns the KV pool tensor: [num_layers, 2, num_blocks, block_size, kv_heads, row] (row: head_dim, or
-head_dim + 2 scale bytes for a quantized cache; pagecli/attention/kv_format.py),
+head_dim + 2 scale bytes for a quantized cache; pagecli/kv_format.py),
 allocated once. No padding: the batch is the concatenation of every scheduled chunk.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
-from pagecli.attention.kv_format import KVFormat, resolve_kv_format
+from pagecli.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
 

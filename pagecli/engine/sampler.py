@@ -28,12 +28,12 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 from collections.abc import Sequence as SequenceOf
-from typing import Any
 
 import torch
 
 from pagecli.config.settings import SamplingParams
 from pagecli.engine.sequence import Sequence
+from pagecli.native.interface import CpuOps
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -78,7 +78,7 @@ def skip_draw(seq: Sequence) -> None:
         seq.rng.next_word()
 
 
-def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) -> list[int]:
+def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None = None) -> list[int]:
     """logits: [num_seqs, vocab] (any dtype, any device); one token id per sequence, -1 for a constrained one
     whose grammar left no token. ops: pagecli's CPU kernels (pagecli.native), which take CPU rows; without
     them, tensor operations on the logits' device."""
@@ -109,7 +109,7 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: Any = None) ->
     return chosen
 
 
-def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: Any) -> list[int]:
+def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: CpuOps | None) -> list[int]:
     """The greedy rows' tokens (every row's argmax, taken once for the batch), after their grammar masks (-1
     where a mask left no token); masks the sampled rows' logits in place too. Sampled rows get a placeholder."""
     wanted = constrained or any(seq.sampling.greedy for seq in seqs)

@@ -46,6 +46,7 @@ class EngineStats:
     block_states: tuple[str, ...] | None = None  # per block: free/cached/active/shared, when asked for
     kv_dtype: str = ""  # the KV cache's format (--kv-dtype resolved: the model's dtype, or int8/fp8/...)
     quantize: str = "none"  # the decoder weights' form (--quantize resolved: none, int8, int4, gguf)
+    weight_forms: str = ""  # how the weights are kept, in a few words (models.weight_plan.WeightPlan.summary)
 
     @property
     def kv_bytes_used(self) -> int:

@@ -12,6 +12,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagecli.kv_format import KVFormat
 
 CACHE_LAYOUT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -51,3 +57,16 @@ def model_fingerprint(folder: Path, chat_template: str | None, kv_dtype: str, bl
         f"kv_dtype={kv_dtype}",
         f"block_size={block_size}",
     ))
+
+
+def kv_fingerprint_name(model_dtype: torch.dtype, quantize: str, kv_format: KVFormat) -> str:
+    """What the disk store's fingerprint says of the KV bytes: the model dtype they come from (and its
+    weight quantization), and the cache format when it is not the model's dtype. Runs with
+    `--kv-dtype auto` keep the name they had before the option existed, so their stores still hit."""
+    from pagecli.models.quantize import INT8_FORMAT
+
+    weights = {"none": "", "int8": f"+{INT8_FORMAT}"}.get(quantize, f"+{quantize}")
+    name = str(model_dtype).removeprefix("torch.") + weights
+    if kv_format.name != str(model_dtype).removeprefix("torch."):
+        name += f"/kv-{kv_format.name}"
+    return name

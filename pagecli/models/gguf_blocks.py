@@ -1,12 +1,12 @@
 """A GGUF file's Q4_0, Q4_1 and Q8_0 decoder weights read as they are (--quantize gguf), without the
-float32 detour of gguf_convert, and handed to the decoder's Linears.
+float32 detour of gguf_convert, for weight_forms.py to hand to the decoder's Linears.
 
 The block formats map onto pagecli's layouts: Q4_1 (32 weights: fp16 scale d, fp16 minimum m,
 16 bytes of nibbles; w = q * d + m) is quantize_int4's layout itself; Q4_0 (fp16 d, nibbles,
 w = (q - 8) * d) is the case m = -8 d (exact in fp16 and in the fp32 sum). Both then run on
 pagecli.native's 4-bit kernel, the same bytes llama.cpp reads. Q8_0 (fp16 d, 32 int8; w = q * d)
 runs as it is on the AVX2 int8 kernel (activations rounded to int16; float32 models on every CPU,
-every model on CPUs without VNNI: runs_q8_0);
+every model on CPUs without VNNI: weight_plan.WeightPlan.q8_0_as_is);
 elsewhere its exact values are requantized to pagecli's int8 blocks of 64 (lossy: a second
 rounding). The output layer (or the tied embedding table) runs on its Q8_0 blocks the same way,
 where the file holds it so and the AVX2 kernel runs; otherwise it keeps the converted floats. Other
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagecli.errors import ModelError
-from pagecli.models.gguf_files import AS_IS_TYPES, gguf_source, tensor_types
+from pagecli.models.gguf_files import AS_IS_TYPES
 
 GROUP = 32  # weights per block in all three formats
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -187,57 +187,3 @@ class GgufBlocks:
         parts = tensor_parts(tensor) if tensor is not None else None
         self._release_pages()
         return parts
-
-
-def auto_quantize(folder: Path, dtype: torch.dtype, ops: Any) -> str:
-    """--quantize auto (the default): "gguf" for a model converted from a .gguf file whose decoder weights
-    include Q4_0, Q4_1 or Q8_0 blocks, where it runs in float32 on pagecli.native (ops): there its blocks
-    run as they lie on the kernels that round activations to int16 (runs_q8_0), the same numbers as the
-    converted floats to 2^-16 of each activation block (KL 2e-7 on the embedded model) for a fifth of
-    the bytes a decode step reads; "none" (the converted floats) everywhere else: bf16 and fp16 models,
-    whose quantized products round activations to int8, the PyTorch path, GPUs, other files."""
-    from pagecli.models.quantize import native_takes, uses_int16_activations
-
-    if ops is None or not uses_int16_activations(dtype):
-        return "none"
-    if not (native_takes(ops.int8_linear_kind(), dtype) and native_takes(ops.int4_linear_kind(), dtype)):
-        return "none"
-    source = gguf_source(folder)
-    if source is None:
-        return "none"
-    try:
-        types = tensor_types(source, folder)
-    except (ModelError, OSError, ValueError):  # changed since its conversion: the converted floats still load
-        return "none"
-    return "gguf" if any(kind in AS_IS_TYPES for kind in types) else "none"
-
-
-def use_gguf_products(layer: Any, products: dict[tuple[str, str], Any], int4_ops: Any, int8_ops: Any,
-                      int16_activations: bool = False) -> None:
-    """Put a decoder layer's products on their GGUF blocks (GgufBlocks.layer): Int4Parts on the 4-bit
-    kernel (int4_ops: pagecli.native, or None for the PyTorch reference), Q8Parts as they are on the
-    int8 kernel where it rounds activations to int16 (use_q8_parts), else requantized to pagecli's int8
-    blocks (int8_ops likewise), anything else left on the converted folder's floats.
-    int16_activations: as Linear.quantize_int8."""
-    for (module_name, product_name), parts in products.items():
-        linear = getattr(getattr(layer, module_name), product_name)
-        if isinstance(parts, Int4Parts):
-            linear.use_int4(parts.q, parts.scale, parts.minimum, int4_ops, int16_activations)
-        elif isinstance(parts, Q8Parts):
-            use_q8_parts(linear, parts, int8_ops, int16_activations)
-
-
-def runs_q8_0(int8_ops: Any, int16_activations: bool) -> bool:
-    """Whether Q8_0 blocks run as they are: on the AVX2 int8 kernel, which float32 models get on every
-    CPU (int16_activations) and every model on a CPU without VNNI; not the VNNI kernel or PyTorch."""
-    return int8_ops is not None and (int16_activations or int8_ops.int8_linear_kind() == "avx2")
-
-
-def use_q8_parts(linear: Any, parts: Q8Parts, int8_ops: Any, int16_activations: bool) -> None:
-    """A Linear on a Q8_0 weight: its blocks as they are where the AVX2 int8 kernel runs it, else
-    requantized to pagecli's int8 blocks of 64."""
-    if runs_q8_0(int8_ops, int16_activations):
-        linear.use_int8(parts.q, parts.scale, int8_ops, int16_activations=True)
-        return
-    linear.weight = torch.nn.Parameter(dequantize_parts(parts), requires_grad=False)
-    linear.quantize_int8(int8_ops, int16_activations)

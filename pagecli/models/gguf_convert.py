@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pagecli.errors import ModelError
-from pagecli.models.gguf_index import index_entries, write_index
+from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
@@ -63,7 +63,7 @@ def read_gguf_config(gguf_path: Path) -> dict[str, Any]:
 
 
 def _read_header(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     metadata = _scalar_metadata(reader)
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -88,15 +88,6 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # [num_heads, half_head_dim, 2, in] -> [num_heads, 2, half_head_dim, in]
     split = weight.reshape(num_heads, half_head_dim, 2, in_features).swapaxes(1, 2)
     return split.reshape(rows, in_features)
-
-
-def _open_reader(gguf_path: Path) -> Any:
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(gguf_path)
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise ModelError(f"'{gguf_path}' is not a readable GGUF file ({error}).") from error
 
 
 def _scalar_metadata(reader: Any) -> dict[str, Any]:

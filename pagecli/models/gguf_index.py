@@ -57,9 +57,8 @@ def tensor_entries(gguf_path: Path, folder: Path | None = None) -> dict[str, lis
     is writable."""
     entries = _stored_entries(gguf_path, folder) if folder is not None else None
     if entries is None:
-        from pagecli.models.gguf_convert import _open_reader
 
-        entries = index_entries(_open_reader(gguf_path))
+        entries = index_entries(open_reader(gguf_path))
         if folder is not None:
             try:
                 write_index(entries, gguf_path, folder)
@@ -111,3 +110,13 @@ def _stored_entries(gguf_path: Path, folder: Path) -> dict[str, list[int]] | Non
         return entries
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def open_reader(gguf_path: Path) -> Any:
+    """The gguf package's reader over a file (its tensors memory-mapped); ModelError if it is not one."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise ModelError(f"'{gguf_path}' is not a readable GGUF file ({error}).") from error

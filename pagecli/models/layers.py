@@ -7,13 +7,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pagecli.models.quantize import int8_product, quantize_int8
-from pagecli.models.quantize_int4 import Int4Reference, quantize_int4
 from pagecli.models.spec import rope_parameters, rope_type_of
 
 
 class RMSNorm(nn.Module):
-    # pagecli.native's add_rms_norm (the same arithmetic in one pass), when set by CausalLM.use_cpu_ops.
+    # pagecli.native's add_rms_norm (the same arithmetic in one pass), when set by weight_forms.WeightPlacer.
     kernel: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -101,8 +99,8 @@ class Linear(nn.Linear):
     Its weights always come from a checkpoint, so it skips the random init (which, on the meta
     device the model is built on, makes torch import its compiler stack: about 1.7 s).
 
-    After pack() or quantize_int8(), the weight lives only in the packed (or int8) layout: `weight`
-    is None and `packed_weight` holds what is kept (so parameter byte counts see the real layout)."""
+    Once given a product (use_product: panels, int8, 4-bit, a GGUF file's blocks), the weight lives only in
+    the product's layout: `weight` is None and `packed_weight` holds what is kept."""
 
     kernel: LinearKernel | None = None
     packed: Any = None  # PackedLinear, F32PanelLinear, PackedLinearInt8, ...: what runs the product, once set
@@ -110,64 +108,14 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
-    def pack(self, ops: Any) -> None:
-        """Repack the weight once into the packed GEMM's panels and drop the row layout."""
-        if self.packed is None:
-            self.packed = ops.PackedLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
-            self.weight = None
-            self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
-
-    def use_float_panels(self, ops: Any) -> None:
-        """A float32 weight moved into pagecli.native's F32PanelLinear, run on float32 activations: kept
-        in bf16 where every value is a bfloat16 (a model converted from a bf16 checkpoint: half the
-        bytes, the same values), else in float32. Any other weight stays as it is."""
-        if self.packed is not None or self.weight is None or self.weight.dtype != torch.float32:
-            return
-        self.packed = ops.F32PanelLinear(self.weight.detach(), None if self.bias is None else self.bias.detach())
+    def use_product(self, product: Any, kept: dict[str, torch.Tensor]) -> None:
+        """Run on `product` (built by pagecli.models.weight_forms from this weight) in place of `weight`, which
+        goes; `kept` are the tensors the product reads, held as parameters under their names
+        (packed_weight, weight_scale, weight_min) so the model's byte counts see the real layout."""
+        self.packed = product
         self.weight = None
-        self.packed_weight = nn.Parameter(self.packed.panels, requires_grad=False)
-
-    def quantize_int8(self, ops: Any, int16_activations: bool = False) -> None:
-        """Replace the weight by int8 and a scale per output channel and 64-block (pagecli.models.quantize), run by
-        pagecli.native's PackedLinearInt8 when `ops` is given, else by the PyTorch reference.
-        int16_activations: the native kernel rounds x to int16 (the AVX2 kernel; float32 models ask
-        for it) instead of to int8 where the CPU has VNNI."""
-        if self.packed is None:
-            self.use_int8(*quantize_int8(self.weight), ops, int16_activations)
-
-    def use_int8(self, q: torch.Tensor, scale: torch.Tensor, ops: Any, int16_activations: bool = False) -> None:
-        """Run on these int8 weights (q [N, K], scales as quantize.int8_product takes them) in place of
-        `weight`: quantized here, or a GGUF file's Q8_0 blocks as they are (fp16 scales per 32, on the
-        AVX2 kernel: gguf_blocks.use_q8_parts)."""
-        bias = None if self.bias is None else self.bias.detach()
-        self.packed, weights, scales = int8_product(q, scale, bias, ops, int16_activations)
-        self.weight = None
-        self.packed_weight = nn.Parameter(weights, requires_grad=False)
-        self.weight_scale = nn.Parameter(scales, requires_grad=False)
-
-    def quantize_int4(self, ops: Any, int16_activations: bool = False) -> None:
-        """Replace the weight by 4-bit groups (pagecli.models.quantize_int4), run by pagecli.native's
-        PackedLinearInt4 when `ops` is given, else by the PyTorch reference (int16_activations as
-        for quantize_int8)."""
-        if self.packed is None:
-            self.use_int4(*quantize_int4(self.weight), ops, int16_activations)
-
-    def use_int4(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, ops: Any,
-                 int16_activations: bool = False) -> None:
-        """Run on these 4-bit weights (q [N, K] in [0, 15], fp16 scale and min [N, ceil(K / 32)]) in
-        place of `weight`: quantized here, or read as they are from a GGUF file's Q4_0/Q4_1 blocks."""
-        bias = None if self.bias is None else self.bias.detach()
-        if ops is not None:
-            self.packed = ops.PackedLinearInt4(q, scale, minimum, bias, int16_activations=int16_activations)
-            self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
-            if self.packed.scales.numel():  # AVX2 keeps them beside the rows: count their bytes too
-                self.weight_scale = nn.Parameter(self.packed.scales, requires_grad=False)
-        else:
-            self.packed = Int4Reference(q, scale, minimum, bias)
-            self.packed_weight = nn.Parameter(self.packed.weights, requires_grad=False)
-            self.weight_scale = nn.Parameter(scale, requires_grad=False)
-            self.weight_min = nn.Parameter(minimum, requires_grad=False)
-        self.weight = None
+        for name, tensor in kept.items():
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

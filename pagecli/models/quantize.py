@@ -7,7 +7,7 @@ to bf16, q = round(w / scale) in [-127, 127]; a product sums x[m, k] * q[n, k] p
 multiplies each block's sum by its scale, adds the blocks in order, then the bias. The decoder
 layers' Linears and the output layer are quantized; the embedding table keeps the model's dtype,
 since the lookup needs its exact rows (a tied table is kept for the lookup beside the output
-layer's int8 copy: CausalLM.quantize_weights).
+layer's int8 copy: weight_forms.py).
 
 Why blocks: one scale per output channel (what the quantization issue asked for first) cost SmolLM2-135M
 1.07% perplexity on tests/data/declaration.txt in float32 (26.3530 -> 26.6361), nearly all of it
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagecli.errors import PagecliError
+from pagecli.native.interface import CpuOps
 
 WEIGHT_BLOCK = 64  # int8 weights: one scale per output channel and this many k
 INT8_FORMAT = "int8-b64"  # what the disk store's fingerprint calls these weights (per-channel int8 was "int8")
@@ -97,17 +97,17 @@ class Int8Reference:
         return y.to(x.dtype)
 
 
-def int8_product(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, ops: Any,
-                 int16_activations: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def int8_product(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps | None,
+                 int16_activations: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
     """The product that runs int8 weights q [N, K] with their scales: pagecli.native's PackedLinearInt8
-    when ops is given (int16_activations as there; bf16 scales per 64, or a GGUF Q8_0 tensor's fp16
-    ones per 32, which only its AVX2 kernel takes), else Int8Reference (bf16 scales per 64); with the
-    weights and scales the product reads, for the owning module to keep as parameters (so they count
-    as the model's bytes)."""
+    when ops is given (int16_activations: it rounds activations to int16 per 64 instead of int8 where the
+    CPU has VNNI; bf16 scales per 64, or a GGUF Q8_0 tensor's fp16 ones per 32, which only its AVX2
+    kernel takes), else Int8Reference (bf16 scales per 64); with the tensors the product reads, by the
+    parameter names its Linear keeps them under (so they count as the model's bytes)."""
     if ops is None:
-        return Int8Reference(q, scale, bias), q, scale
+        return Int8Reference(q, scale, bias), {"packed_weight": q, "weight_scale": scale}
     product = ops.PackedLinearInt8(q, scale, bias, int16_activations=int16_activations)
-    return product, product.weights, product.scales
+    return product, {"packed_weight": product.weights, "weight_scale": product.scales}
 
 
 ACTIVATION_BLOCK = 64  # the AVX512-VNNI kernel rounds activations to int8 in blocks of this many k (= WEIGHT_BLOCK)
@@ -149,24 +149,3 @@ def int8_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y = y + bias.double()
     return y.float().view(*x.shape[:-1], q.shape[0])
-
-
-def native_takes(kind: str, dtype: torch.dtype) -> bool:
-    """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind())
-    takes activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16
-    (float32 ones on the AVX2 kernel, which VNNI builds carry too: uses_int16_activations)."""
-    return kind in ("avx2", "avx512_vnni") and dtype in (torch.float32, torch.bfloat16, torch.float16)
-
-
-def uses_int16_activations(dtype: torch.dtype) -> bool:
-    """Whether the native quantized products round a model's activations to int16 (the AVX2 kernels,
-    which VNNI builds carry too) rather than to int8: float32 models do, so their products stay
-    within 2^-16 of each 64-block's largest activation of float32 math on the dequantized weights
-    (panel_i16.h). bf16 and fp16 models round activations to int8 per 64-block on a VNNI CPU,
-    several times faster for prompts (the loss is in docs/benchmarks/cpu-without-amx.md)."""
-    return dtype == torch.float32
-
-
-def check_quantize_device(quantize: str, device: torch.device) -> None:
-    if quantize != "none" and device.type != "cpu":
-        raise PagecliError(f"--quantize {quantize} runs on the CPU only; use --device cpu or --quantize none.")

@@ -6,7 +6,7 @@ w[n, k] = q[n, k] * scale[n, g] + min[n, g], g = k // 32, q in [0, 15] (the Q4_1
 min = -8 * scale). Quantizing a group: min = its smallest weight and scale = (largest - smallest) / 15,
 both rounded to fp16 first, then q = round((w - min) / scale): every weight within half a step of
 what it stands for (plus the fp16 rounding of min). Only the decoder layers' Linears are 4-bit; the
-output layer goes to int8 and the embedding table keeps the model's dtype (CausalLM.quantize_weights).
+output layer goes to int8 and the embedding table keeps the model's dtype (weight_forms.py).
 
 On AVX512-VNNI the native kernel rounds the activations to int8 per row and block of 64, as the int8
 product does (int4_blocks_reference below is that arithmetic): at SmolLM2-1.7B's shapes and 512 rows
@@ -16,9 +16,12 @@ and 434-449 for the packed bf16 GEMM (Zen 4, 2 threads, scripts/bench_quant_prod
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagecli.models.quantize import INT8_LEVELS, in_row_chunks, round_activations
+from pagecli.native.interface import CpuOps
 
 GROUP = 32  # weights per group along K (pagecli/native/quant_int4.h: kInt4Group)
 
@@ -99,3 +102,19 @@ def int4_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y = y + bias.double()
     return y.float().view(*x.shape[:-1], q.shape[0])
+
+
+def int4_product(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps | None,
+                 int16_activations: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The product that runs 4-bit weights (q [N, K] in [0, 15], fp16 scale and min [N, ceil(K / 32)]: quantized
+    here, or a GGUF file's Q4_0/Q4_1 blocks): pagecli.native's PackedLinearInt4 when ops is given
+    (int16_activations as for quantize.int8_product), else Int4Reference; with the tensors it reads, by
+    the parameter names its Linear keeps them under."""
+    if ops is None:
+        product = Int4Reference(q, scale, minimum, bias)
+        return product, {"packed_weight": product.weights, "weight_scale": scale, "weight_min": minimum}
+    product = ops.PackedLinearInt4(q, scale, minimum, bias, int16_activations=int16_activations)
+    kept = {"packed_weight": product.weights}
+    if product.scales.numel():  # AVX2 keeps them beside the rows: count their bytes too
+        kept["weight_scale"] = product.scales
+    return product, kept

@@ -72,7 +72,6 @@ _state: dict[str, object] = {}
 
 
 _OFF = ("0", "false", "no", "off")
-PACKED_GEMM_VAR = "PAGECLI_PACKED_GEMM"
 
 
 def enabled() -> bool:
@@ -80,31 +79,6 @@ def enabled() -> bool:
     return native and isa.chosen_level(cpu_flags()) != "torch"
 
 
-def packed_gemm_wanted(ops: ModuleType) -> bool:
-    """Whether a bf16 model should run its products on the packed GEMM (gemm_bf16.cpp): where the
-    build has it (AVX512-BF16) and the CPU grants no AMX tiles (the AMX kernels read the weights as
-    they lie and were not measured against it), unless PAGECLI_PACKED_GEMM=0 keeps the row-layout
-    weights and the older kernels (for A/B runs, or to compare results)."""
-    if os.environ.get(PACKED_GEMM_VAR, "1").strip().lower() in _OFF:
-        return False
-    return bool(ops.has_packed_linear()) and not ops.has_amx()
-
-
-BF16_WEIGHTS_VAR = "PAGECLI_BF16_WEIGHTS"
-
-
-def bf16_weights_wanted(ops: ModuleType) -> bool:
-    """Whether a float32 model runs its products on F32PanelLinear (bf16_weights.cpp), bf16-valued
-    weights kept in bf16: at the avx2 level, where float32 is the default dtype because the CPU has no
-    bf16 arithmetic, unless PAGECLI_BF16_WEIGHTS=0 keeps every weight float32 on PyTorch's products
-    (for A/B runs). Halves the bytes a decode step reads where the weights allow; the products are the
-    same numbers, summed in another order than PyTorch's."""
-    if os.environ.get(BF16_WEIGHTS_VAR, "1").strip().lower() in _OFF:
-        return False
-    return bool(ops.has_bf16_weight_linear()) and level() == "avx2"
-
-
-DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"
 HUGE_PAGES_VAR = "PAGECLI_HUGE_PAGES"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -122,13 +96,6 @@ def weight_pages() -> str:
     if mode == "never":
         return "4 KB pages (transparent huge pages are off: `never` in " + str(THP_SETTING) + ")"
     return f"2 MB pages where the kernel has them free (transparent huge pages: {mode}; {HUGE_PAGES_VAR}=0 turns them off)"
-
-
-def decode_team_wanted() -> bool:
-    """Whether DecodeStep runs a step of a few rows in one parallel region (decode_step.h's
-    forward_team) where it can, unless PAGECLI_DECODE_TEAM=0 keeps a region per kernel (for A/B
-    runs; the results are the same bits either way)."""
-    return os.environ.get(DECODE_TEAM_VAR, "1").strip().lower() not in _OFF
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,7 @@
-"""`python -m pagecli.native [--bandwidth]`: compile (or load) the CPU kernels now and say where they are;
-with --bandwidth, also the memory's read bandwidth on torch's threads (a plain read loop, the ceiling
-that single-stream decode approaches)."""
+"""`python -m pagecli.native [--bandwidth]`: compile (or load) the CPU kernels now and say where they are
+and how they would keep a model's weights (the weight plan); with --bandwidth, also the memory's read
+bandwidth on torch's threads (a plain read loop, the ceiling that single-stream decode approaches).
+A command, so it sits in the top layer of tests/test_import_layers.py, beside the CLI."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pagecli import native
 from pagecli.errors import PagecliError
 from pagecli.native import isa
+from pagecli.native.interface import CpuOps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"==> CPU kernels ready: level {native.level()} of {', '.join(levels)} ({bf16}; "
           f"{isa.ENV_VAR} forces a lower level) in {native.build_dir()}")
     print(f"==> --quantize products: {quantized_kernels(ops)}")
-    print(f"==> float32 models: {float32_weights(ops)}")
+    for dtype_name in ("float32", "bfloat16"):
+        print(f"==> a {dtype_name} model's weights: {weight_forms(ops, dtype_name)}")
     print(f"==> weights: {native.weight_pages()}")
     if "--bandwidth" in args:
         import torch
 
-        from pagecli.bench.bandwidth import DEFAULT_MIB, read_bandwidth
+        from pagecli.native.bandwidth import DEFAULT_MIB, read_bandwidth
 
         rates = read_bandwidth(ops)
         print(f"==> read bandwidth, {torch.get_num_threads()} threads, {DEFAULT_MIB} MiB read {len(rates)} times: "
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def quantized_kernels(ops) -> str:
+def quantized_kernels(ops: CpuOps) -> str:
     """Which kernels run --quantize int8 and int4 (and gguf's blocks) at this level, in words."""
     kinds = {"int8": ops.int8_linear_kind(), "int4": ops.int4_linear_kind()}
     named = ", ".join(f"{name} on {kind or 'the PyTorch reference'}" for name, kind in kinds.items())
@@ -62,13 +65,14 @@ def quantized_kernels(ops) -> str:
     return named
 
 
-def float32_weights(ops) -> str:
-    """How a float32 model's weights are kept at this level, in words (native.bf16_weights_wanted)."""
-    if native.bf16_weights_wanted(ops):
-        return (f"products on 16-column panels, weights that hold only bfloat16 values (converted from a bf16 "
-                f"checkpoint) kept in bf16, half the bytes, the same products ({native.BF16_WEIGHTS_VAR}=0: "
-                f"float32 weights on PyTorch's products)")
-    return "float32 weights on PyTorch's products"
+def weight_forms(ops: CpuOps, dtype_name: str) -> str:
+    """The weight plan (pagecli.models.weight_plan) of a model of this dtype at this level, --quantize none."""
+    import torch
+
+    from pagecli.models.weight_plan import plan_weights
+
+    plan = plan_weights(getattr(torch, dtype_name), torch.device("cpu"), "none", ops, native.level())
+    return plan.describe()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// The quantized KV cache rows (pagecli/attention/kv_format.py) in C++: quantizing a row as
+// The quantized KV cache rows (pagecli/kv_format.py) in C++: quantizing a row as
 // quantize_rows does, byte for byte, and the AVX2 pieces decode attention reads such rows with
 // (widening a tile of rows to fp32, scores and weighted sums over a widened tile, softmax). The same
 // code runs at every level: AVX2, FMA and F16C are part of the avx512 and amx levels too.

@@ -1,6 +1,6 @@
 """A request body made into what the engine runs: the prompt, the sampling settings, n, streaming.
 
-Sampling fields are read by `pagecli.cli.batch_io` (the same checks `generate` makes) and messages by
+Sampling fields are read by `pagecli.batch.requests` (the same checks `generate` makes) and messages by
 `pagecli.models.messages`. Fields the server cannot honour are refused with a 400 naming them, never
 ignored silently; fields that change nothing about the output (`user`, `metadata`, ...) are ignored.
 """
@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pagecli.cli.batch_io import sampling_fields, sampling_with
+from pagecli.batch.requests import sampling_fields, sampling_with
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError, request_failure
 from pagecli.models.messages import Conversation, read_messages

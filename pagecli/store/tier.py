@@ -14,17 +14,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagecli.store.blobs import BlockGeometry
+from pagecli.store.cached_block import CachedBlock
 from pagecli.store.index import IndexedBlock, StoreUnavailable
 from pagecli.store.prefix_store import BlockRecord, PrefixStore
 from pagecli.store.writer import BackgroundWriter
-
-if TYPE_CHECKING:
-    from pagecli.engine.kv_cache_manager import CachedBlock
 
 CopyIn = Callable[[list[int], torch.Tensor], None]
 CopyOut = Callable[[list[int]], torch.Tensor]

@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pagecli.chat.controller import LiveStatus, TurnRecord
+from pagecli.chat.view import LiveStatus, TurnRecord
 from pagecli.chat.conversation import Conversation
 from pagecli.chat.multiline import BlockReader, Entry, UnclosedBlock
 from pagecli.chat.turn import TurnStats

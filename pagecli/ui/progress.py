@@ -17,8 +17,8 @@ def pool_text(stats: EngineStats) -> str:
 def load_summary(stats: EngineStats) -> str:
     """The start-up line: where the model runs and how big the weights and the KV pool are."""
     mib = 1 << 20
-    weights = {"none": "", "gguf": ", the GGUF file's own blocks"}.get(stats.quantize, f", {stats.quantize} weights")
-    return (f"Model on {stats.device} ({stats.dtype}{weights}, {stats.attention_backend} attention): weights "
+    weights = stats.weight_forms or stats.dtype  # the weight plan's summary (a snapshot from elsewhere may lack it)
+    return (f"Model on {stats.device} ({weights}, {stats.attention_backend} attention): weights "
             f"{stats.weights_bytes / mib:,.0f} MiB; KV pool {stats.num_blocks:,} blocks x {stats.block_size} tokens = "
             f"{stats.num_blocks * stats.block_size:,} tokens ({stats.kv_bytes_total / mib:,.0f} MiB); "
             f"max {stats.max_model_len:,} tokens per sequence.")

@@ -23,8 +23,8 @@ from typing import Any
 from pagecli.config import SamplingParams
 from pagecli.config.structured import spec_from_response_format
 from pagecli.errors import PagecliError, RequestError, request_failure
-from pagecli.cli.input_lines import DEFAULT_MAX_LINE_BYTES, read_lines
-from pagecli.cli.line_tools import tools_of_line
+from pagecli.batch.input_lines import DEFAULT_MAX_LINE_BYTES, read_lines
+from pagecli.batch.line_tools import tools_of_line
 from pagecli.models.messages import Conversation, read_messages
 from pagecli.models.tools import ToolRequest
 

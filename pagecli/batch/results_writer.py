@@ -26,9 +26,9 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
-from pagecli.cli.results_file import (OutputScan, ResumePlan, RunIdentity, encode_record, plan_resume,
+from pagecli.batch.results_file import (OutputScan, ResumePlan, RunIdentity, encode_record, plan_resume,
                                       scan_output)
-from pagecli.cli.side_files import (JOURNAL_HEADER, OutputLock, create_exclusive, journal_path, open_existing,
+from pagecli.batch.side_files import (JOURNAL_HEADER, OutputLock, create_exclusive, journal_path, open_existing,
                                     remove_if_same)
 from pagecli.errors import PagecliError
 

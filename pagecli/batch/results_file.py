@@ -30,7 +30,7 @@ from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
-from pagecli.cli.side_files import journal_path, lock_path, read_journal
+from pagecli.batch.side_files import journal_path, lock_path, read_journal
 from pagecli.config import SamplingParams
 from pagecli.errors import PagecliError
 
@@ -76,7 +76,7 @@ class RunIdentity:
     """What this run answers: each input line's digest and request id, and its settings' digest."""
 
     input_name: str  # for messages: 'in.jsonl' or stdin
-    line_sha256: dict[int, str]  # input line -> batch_io.line_digest of it
+    line_sha256: dict[int, str]  # input line -> requests.line_digest of it
     request_ids: dict[int, str]  # input line -> the id its record carries
     settings_sha256: str
 

@@ -1,5 +1,5 @@
 """Ahead-of-time compile of every Triton kernel specialization the engine launches, for NVIDIA targets, on
-a machine without a GPU: `python -m pagecli.kernels.aot [--arch 80,86,89,90] [--sample] [--json]`.
+a machine without a GPU: `python -m pagecli.attention.aot [--arch 80,86,89,90] [--sample] [--json]`.
 
 The matrix is not written by hand: each case (a supported model's head shape, a dtype, a block size, a
 split count, a KV cache format) runs the real `TritonAttentionBackend` on meta tensors with the launches intercepted, so
@@ -167,7 +167,7 @@ def launches_of(case: Case) -> list[Specialization]:
     """The kernel launches one engine step makes for this case (a decode and a prefill in one batch)."""
     import torch
 
-    from pagecli.attention.kv_format import resolve_kv_format
+    from pagecli.kv_format import resolve_kv_format
     from pagecli.attention.metadata import AttentionMetadata
     from pagecli.attention.triton_backend import TritonAttentionBackend
     from pagecli.kernels import decode
@@ -498,7 +498,7 @@ def _print_list(specs: dict[Specialization, list[str]], as_json: bool) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pagecli.kernels.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagecli.attention.aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated (80,86,89,90)")
     parser.add_argument("--sample", action="store_true",
                         help="a covering sample (every axis value at least once) instead of the full matrix")

@@ -6,14 +6,15 @@ scripts/bench_shapes.py)."""
 from __future__ import annotations
 
 import time
-from types import ModuleType
 
 import torch
+
+from pagecli.native.interface import CpuOps
 
 DEFAULT_MIB = 512  # well past any L3 cache, so that every pass comes from memory
 
 
-def probe_buffer(mib: int = DEFAULT_MIB, ops: ModuleType | None = None) -> torch.Tensor:
+def probe_buffer(mib: int = DEFAULT_MIB, ops: CpuOps | None = None) -> torch.Tensor:
     """A buffer of `mib` MiB whose pages are all written (a never-written page reads as the zero page,
     from cache, and would overstate the bandwidth); with `ops`, in the memory packed weights take
     (ops.weight_copy: 2 MB pages), so the loop reads as the products do."""
@@ -21,7 +22,7 @@ def probe_buffer(mib: int = DEFAULT_MIB, ops: ModuleType | None = None) -> torch
     return values if ops is None else ops.weight_copy(values)
 
 
-def read_bandwidth(ops: ModuleType, repeats: int = 5, buffer: torch.Tensor | None = None) -> list[float]:
+def read_bandwidth(ops: CpuOps, repeats: int = 5, buffer: torch.Tensor | None = None) -> list[float]:
     """GB/s of each of `repeats` passes of ops.read_probe over the buffer (after one warm-up pass), on
     torch's intra-op threads."""
     buffer = probe_buffer(ops=ops) if buffer is None else buffer

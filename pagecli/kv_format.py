@@ -30,7 +30,6 @@ import torch
 
 from pagecli.config.settings import KV_DTYPE_CHOICES
 from pagecli.errors import PagecliError
-from pagecli.models.quantize import INT8_FORMAT
 
 QUANTIZED_KV = ("int8", "fp8")
 SCALE_BYTES = 2  # float16
@@ -117,14 +116,3 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     data = raw[..., :head_dim]
     values = data.view(torch.int8).float() if name == "int8" else data.view(torch.float8_e4m3fn).float()
     return (values * scale).to(dtype)
-
-
-def kv_fingerprint_name(model_dtype: torch.dtype, quantize: str, kv_format: KVFormat) -> str:
-    """What the disk store's fingerprint says of the KV bytes: the model dtype they come from (and its
-    weight quantization), and the cache format when it is not the model's dtype. Runs with
-    `--kv-dtype auto` keep the name they had before the option existed, so their stores still hit."""
-    weights = {"none": "", "int8": f"+{INT8_FORMAT}"}.get(quantize, f"+{quantize}")
-    name = str(model_dtype).removeprefix("torch.") + weights
-    if kv_format.name != str(model_dtype).removeprefix("torch."):
-        name += f"/kv-{kv_format.name}"
-    return name

@@ -1,0 +1,292 @@
+"""A WeightPlan applied to a CausalLM: each Linear handed the one product its form gives, the output layer's
+too, and the kernels that run the steps between products.
+
+`WeightPlacer(plan, ops)` gives load_model its per-layer hooks: `layer_provided` (the checkpoint weights a
+GGUF file's blocks replace, never read) and `layer_ready` (a decoder layer put in its form as soon as its
+weights are in, so a quantized or panelled model never holds all its float weights); `finish` then does
+whatever the hooks did not (a model loaded before the plan), the output layer, the kernels, the weights'
+large pages and the one-call decode step. The product constructors are `*_product` below; each returns
+the product and the tensors it keeps, which the Linear holds as parameters (so byte counts see them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagecli.models.decoder import CausalLM, DecoderLayer
+from pagecli.models.layers import GatedMLP, Linear, RMSNorm
+from pagecli.models.quantize import Int8Reference, int8_product, quantize_int8
+from pagecli.models.quantize_int4 import Int4Reference, int4_product, quantize_int4
+from pagecli.models.weight_plan import WeightPlan
+from pagecli.native.interface import CpuOps
+
+Kept = dict[str, torch.Tensor]  # a product's tensors, by the parameter name its Linear keeps them under
+
+
+def panels_product(weight: torch.Tensor, bias: torch.Tensor | None, form: str, ops: CpuOps) -> tuple[Any, Kept]:
+    """bf16-panels (the packed GEMM's PackedLinear) or float-panels (F32PanelLinear: bf16 where exact)."""
+    kind = ops.PackedLinear if form == "bf16-panels" else ops.F32PanelLinear
+    product = kind(weight.detach(), None if bias is None else bias.detach())
+    return product, {"packed_weight": product.panels}
+
+
+class WeightPlacer:
+    """Puts a model's weights in the forms of `plan` (module docstring). ops: the CPU kernels, None for
+    PyTorch's products; progress: a sentence now and then while a long load quantizes; after_layer: called
+    once a layer's float weights are replaced (the engine returns their memory to the system there)."""
+
+    def __init__(self, plan: WeightPlan, ops: CpuOps | None, progress: Callable[[str], None] | None = None,
+                 after_layer: Callable[[], None] | None = None) -> None:
+        self.plan, self.ops = plan, ops
+        self.say = progress or (lambda message: None)
+        self.after_layer = after_layer or (lambda: None)
+        self._placed: set[int] = set()
+        self._gguf: Any = None  # the file's GgufBlocks while layers are put on them
+        self._gguf_products: dict[int, dict[tuple[str, str], Any]] = {}  # read ahead by layer_provided
+        self._said = [0, time.monotonic()]  # layers done, when progress was last said
+        if plan.quantize == "gguf" and plan.requested == "auto":
+            self.say("Running the GGUF file's own quantized blocks as they lie (--quantize auto; "
+                     "--quantize none runs the converted floats)")
+        elif plan.quantize == "gguf":
+            self.say("Putting the weights on the GGUF file's own blocks as they load")
+        elif plan.quantize != "none":
+            self.say(f"Quantizing the weights to {plan.quantize} as they load")
+
+    # --- load_model's hooks ---------------------------------------------------------------------------
+    @property
+    def layer_provided(self) -> Callable[[CausalLM, int], frozenset[str]] | None:
+        """load_model's layer_provided hook: under --quantize gguf, the checkpoint weights a layer's GGUF
+        blocks replace (their floats are never read); None otherwise."""
+        return self._weights_on_blocks if self.plan.quantize == "gguf" else None
+
+    def _weights_on_blocks(self, model: CausalLM, index: int) -> frozenset[str]:
+        from pagecli.models import gguf_blocks
+
+        products = self._gguf_blocks(model).layer(index)
+        self._gguf_products[index] = products
+        return gguf_blocks.weights_replaced(index, products)
+
+    def layer_ready(self, model: CausalLM, index: int) -> None:
+        """load_model's layer_ready hook: decoder layer `index` in its form, once its weights are in."""
+        if index in self._placed:
+            return
+        self._placed.add(index)
+        layer = model.model.layers[index]
+        form = self.plan.decoder
+        if form in ("float", "bf16-panels"):
+            return  # kept as loaded (the packed GEMM's panels come in finish, with the output layer's)
+        if form == "float-panels":
+            if model.model.norm.weight.dtype != torch.float32:
+                return
+            for linear in _linears(layer):
+                self._to_panels(linear, form)
+        elif form == "gguf":
+            self._gguf_layer(model, index, layer)
+        else:
+            for linear in _linears(layer):
+                self._quantize(linear, form)
+        self.after_layer()
+        self._progress(model.spec.num_layers)
+
+    def _progress(self, num_layers: int) -> None:
+        self._said[0] += 1
+        if self.plan.quantize != "none" and time.monotonic() - self._said[1] >= 10 and self._said[0] < num_layers:
+            done = "put on their blocks" if self.plan.quantize == "gguf" else f"quantized to {self.plan.quantize}"
+            self.say(f"{self._said[0]} of {num_layers} layers loaded and {done}")
+            self._said[1] = time.monotonic()
+
+    # --- after loading ----------------------------------------------------------------------------------
+    def finish(self, model: CausalLM) -> None:
+        """Every layer not yet placed, the output layer, the kernels between products, large pages for the
+        weights decode streams, and the one-call decode step where the plan has it."""
+        for index in range(len(model.model.layers)):
+            self.layer_ready(model, index)
+        self._gguf = None  # the file's blocks are all in: let the reader's mapping go
+        self._place_output(model)
+        if self.ops is None:
+            return
+        ops = self.ops
+        model.linear_kernel = ops.linear if self.plan.row_kernel else None
+        model.rotary.kernel = ops.rotary_
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.kernel = model.linear_kernel
+                if self.plan.pack_floats and module.packed is None:
+                    self._to_panels(module, "bf16-panels")
+            elif isinstance(module, RMSNorm):
+                module.kernel = ops.add_rms_norm
+            elif isinstance(module, GatedMLP):
+                module.kernel = ops.silu_mul
+        _stream_weights_from_large_pages(model, ops)
+        model.decode_step = self._decode_step(model)
+
+    def _place_output(self, model: CausalLM) -> None:
+        form = self.plan.output
+        if form == "gguf":
+            form = self._gguf_output(model)
+        if form == "int8":
+            weight = model.output_weight
+            self._output_on_int8(model, *quantize_int8(weight))
+        elif form in ("bf16-panels", "float-panels") and self.ops is not None:
+            self._output_on_panels(model, form)
+
+    def _output_on_panels(self, model: CausalLM, form: str) -> None:
+        """The output layer in panels; a tied table is then kept only there, its rows read back for the
+        lookup (exactly): nothing doubles."""
+        if not model.spec.tie_word_embeddings:
+            self._to_panels(model.lm_head, form)
+            model.output_packed = model.lm_head.packed
+            return
+        table = model.model.embed_tokens.weight
+        if table is None or (form == "float-panels" and table.dtype != torch.float32):
+            return
+        model.output_packed, _ = panels_product(table, None, form, self.ops)
+        model.model.embed_tokens.share_packed(model.output_packed)
+
+    def _output_on_int8(self, model: CausalLM, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """The output layer's product on these int8 weights: lm_head's own, or beside a tied table, which
+        stays as it is for the lookup while the product reads the int8 copy."""
+        int16 = self.plan.int16_activations or scale.dtype == torch.float16  # a Q8_0's scales: the AVX2 kernel
+        ops = self.ops if self.plan.int8_native else None
+        if not model.spec.tie_word_embeddings:
+            model.lm_head.use_product(*int8_product(q, scale, None, ops, int16))
+            model.output_packed = model.lm_head.packed
+            return
+        model.output_packed, kept = int8_product(q, scale, None, ops, int16)
+        model.output_int8 = nn.Parameter(kept["packed_weight"], requires_grad=False)  # counted as the model's bytes
+        model.output_int8_scale = nn.Parameter(kept["weight_scale"], requires_grad=False)
+
+    def _gguf_output(self, model: CausalLM) -> str:
+        """--quantize gguf: the output layer on the file's Q8_0 blocks as they lie, as llama.cpp reads them
+        (SmolLM2-135M's tied table: 30 MB instead of 113 MB of float32 a decode step); other types, or
+        where Q8_0 cannot run as it lies, keep the floats: then the form the floats take."""
+        from pagecli.models import gguf_blocks
+
+        parts = self._gguf_blocks(model).output()
+        if isinstance(parts, gguf_blocks.Q8Parts) and self.plan.q8_0_as_is:
+            self._output_on_int8(model, parts.q, parts.scale)
+            return "done"
+        return "bf16-panels" if self.plan.pack_floats else "float"
+
+    # --- one Linear -----------------------------------------------------------------------------------
+    def _to_panels(self, linear: Linear, form: str) -> None:
+        if linear.packed is not None or linear.weight is None:
+            return
+        if form == "float-panels" and linear.weight.dtype != torch.float32:
+            return
+        linear.use_product(*panels_product(linear.weight, linear.bias, form, self.ops))
+
+    def _quantize(self, linear: Linear, form: str) -> None:
+        """int8 or int4 from the loaded floats."""
+        if linear.packed is not None:
+            return
+        if form == "int4":
+            self._on_int4(linear, *quantize_int4(linear.weight))
+        else:
+            self._on_int8(linear, *quantize_int8(linear.weight))
+
+    def _on_int8(self, linear: Linear, q: torch.Tensor, scale: torch.Tensor, as_is: bool = False) -> None:
+        ops = self.ops if self.plan.int8_native else None
+        linear.use_product(*int8_product(q, scale, _bias(linear), ops, self.plan.int16_activations or as_is))
+
+    def _on_int4(self, linear: Linear, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        ops = self.ops if self.plan.int4_native else None
+        linear.use_product(*int4_product(q, scale, minimum, _bias(linear), ops, self.plan.int16_activations))
+
+    # --- a GGUF file's blocks ---------------------------------------------------------------------------
+    def _gguf_blocks(self, model: CausalLM) -> Any:
+        """The GGUF file this model was converted from, opened once for all its layers."""
+        from pagecli.models import gguf_blocks
+        from pagecli.models.gguf_files import gguf_source
+
+        if self._gguf is None:
+            source = gguf_source(model.source_folder) if model.source_folder is not None else None
+            if source is None:
+                from pagecli.errors import PagecliError
+
+                raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
+                                   "loaded from a .gguf file (use int8 or int4).")
+            self._gguf = gguf_blocks.GgufBlocks(source, model.spec.num_heads, model.spec.num_kv_heads,
+                                                model.source_folder)
+        return self._gguf
+
+    def _gguf_layer(self, model: CausalLM, index: int, layer: DecoderLayer) -> None:
+        """A decoder layer's products on its GGUF blocks: Q4_0/Q4_1 on the 4-bit product, Q8_0 as it lies
+        where the plan runs it so (else requantized to int8 blocks of 64: a second rounding), anything
+        else left on the converted folder's floats."""
+        from pagecli.models import gguf_blocks
+
+        products = self._gguf_products.pop(index, None)
+        if products is None:  # not read ahead by layer_provided: the model loaded in floats
+            products = self._gguf_blocks(model).layer(index)
+        for (module_name, product_name), parts in products.items():
+            linear = getattr(getattr(layer, module_name), product_name)
+            if isinstance(parts, gguf_blocks.Int4Parts):
+                self._on_int4(linear, parts.q, parts.scale, parts.minimum)
+            elif isinstance(parts, gguf_blocks.Q8Parts) and self.plan.q8_0_as_is:
+                self._on_int8(linear, parts.q, parts.scale, as_is=True)
+            elif isinstance(parts, gguf_blocks.Q8Parts):
+                linear.weight = nn.Parameter(gguf_blocks.dequantize_parts(parts), requires_grad=False)
+                self._quantize(linear, "int8")
+
+    # --- the decode step --------------------------------------------------------------------------------
+    def _decode_step(self, model: CausalLM) -> Any:
+        """Decode-only steps run the whole layer loop in C++: the same kernels in the same order as
+        CausalLM.forward, without the Python between them (a few ms per token for one stream). None where
+        a product runs in PyTorch (the Python loop runs it)."""
+        layers = model.model.layers
+        products = [_packed_products(layer) for layer in layers]
+        if not self.plan.decode_step or any(isinstance(p, (Int8Reference, Int4Reference))
+                                            for layer in products for p in layer):
+            return None
+        spec = model.spec
+        return self.ops.DecodeStep(
+            [_layer_tensors(layer) for layer in layers],
+            products if any(p is not None for layer in products for p in layer) else [],
+            model.model.norm.weight, model.rotary.cos, model.rotary.sin, spec.num_heads, spec.num_kv_heads,
+            spec.head_dim, spec.rms_norm_eps, layers[0].self_attn.scale, self.plan.decode_team,
+        )
+
+
+def _linears(module: nn.Module) -> list[Linear]:
+    return [m for m in module.modules() if isinstance(m, Linear)]
+
+
+def _bias(linear: Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def _stream_weights_from_large_pages(model: CausalLM, ops: CpuOps) -> None:
+    """Move the weights that products still read as they lie (AMX kernels, float32 models' and the avx2
+    level's products, an unpacked output layer) into the packed weights' memory: 2 MB pages
+    (pagecli/native/weight_memory.h), as decode streams them once per token. One copy at a time, each
+    freed as it is replaced; the values are the same."""
+    for module in _linears(model):
+        if module.packed is None and module.weight is not None:
+            module.weight = nn.Parameter(ops.weight_copy(module.weight.detach()), requires_grad=False)
+    table = model.model.embed_tokens.weight
+    if model.output_packed is None and model.spec.tie_word_embeddings and table is not None:
+        model.model.embed_tokens.weight = nn.Parameter(ops.weight_copy(table.detach()), requires_grad=False)
+
+
+def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
+    """One layer's tensors in the order DecodeStep takes them (decode_step.h); a packed product's weight
+    is None (DecodeStep then takes its _packed_products)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = attn.q_norm.weight if attn.qk_norm else None
+    k_norm = attn.k_norm.weight if attn.qk_norm else None
+    return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
+            attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
+
+
+def _packed_products(layer: DecoderLayer) -> list[Any]:
+    """One layer's products (None where the weight is in row layout) in DecodeStep's order: qkv, o,
+    gate_up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]

@@ -1,0 +1,229 @@
+"""How every weight is kept and which product runs it, decided in one place.
+
+`plan_weights` is a pure function of the model's dtype, the device, `--quantize`, what pagecli's CPU
+kernels offer (`ops`, None off the CPU or without them) and, for a model converted from a GGUF file,
+its decoder tensors' types. It returns a `WeightPlan`: the form of the decoder layers' products and of
+the output layer's, what the quantized products round activations to, which kernels run the steps
+between products, and whether the one-call native decode step applies. weight_forms.py applies a plan
+to a CausalLM layer by layer as it loads; the engine makes one call of each; `pagecli doctor`,
+`python -m pagecli.native` and the start-up line print `plan.describe()`.
+
+The forms (FORMS below says each in words):
+- `float`: the weight as loaded, in the model's dtype; PyTorch's product (a bf16 one on pagecli.native's
+  row kernels: AMX tiles, AVX512-BF16 rows, oneDNN, by shape).
+- `bf16-panels`: a bf16 model's weights repacked once into the packed GEMM's panels (AVX512-BF16 without
+  AMX): a row's result has the same bits in any batch.
+- `float-panels`: a float32 model's weights in 16-column panels at the avx2 level, kept in bf16 where
+  every value is a bfloat16 (a model converted from bf16: half the bytes, the same values).
+- `int8`: int8 with a bf16 scale per output channel and 64-block (quantize.py).
+- `int4`: 4-bit groups of 32 with an fp16 scale and minimum (quantize_int4.py).
+- `gguf`: the GGUF file's own blocks, per tensor: Q4_0/Q4_1 on the int4 kernel, Q8_0 as it is on the
+  AVX2 int8 kernel (else requantized to int8), other types on the converted floats (`gguf_form`).
+
+Adding a weight form: a name in FORMS, its choice here, its product in weight_forms.py. Neither the
+engine nor the model changes (docs/ARCHITECTURE.md lists the files).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagecli.errors import PagecliError
+from pagecli.models.gguf_files import AS_IS_TYPES
+from pagecli.native.interface import CpuOps
+
+FORMS = {
+    "float": "the loaded floats, PyTorch's product",
+    "bf16-panels": "bf16 in the packed GEMM's panels",
+    "float-panels": "float32 panels, bf16 where every value is a bfloat16",
+    "int8": "int8, a scale per output channel and 64-block",
+    "int4": "4-bit groups of 32 (scale and minimum)",
+    "gguf": "the GGUF file's own blocks",
+}
+SHORT = {  # the forms in a few words, for the start-up line
+    "float": "the loaded floats",
+    "bf16-panels": "bf16 panels",
+    "float-panels": "float32 panels (bf16 where exact)",
+    "int8": "int8 weights",
+    "int4": "int4 weights",
+    "gguf": "the GGUF file's own blocks",
+}
+QUANTIZED = ("int8", "int4", "gguf")
+
+_OFF = ("0", "false", "no", "off")
+PACKED_GEMM_VAR = "PAGECLI_PACKED_GEMM"  # 0: bf16 models keep row-layout weights (A/B runs)
+FLOAT_PANELS_VAR = "PAGECLI_BF16_WEIGHTS"  # 0: float32 models keep PyTorch's products at avx2 (A/B runs)
+DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"  # 0: a parallel region per kernel in the decode step (A/B runs)
+
+
+def _switched_off(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip().lower() in _OFF
+
+
+def bf16_panels_offered(ops: CpuOps | None) -> bool:
+    """Whether bf16 models put their weights in the packed GEMM's panels: where the build has it
+    (AVX512-BF16) and the CPU grants no AMX tiles (the AMX kernels read the weights as they lie and were
+    not measured against it), unless PAGECLI_PACKED_GEMM=0."""
+    return ops is not None and not _switched_off(PACKED_GEMM_VAR) and bool(ops.has_packed_linear()) \
+        and not ops.has_amx()
+
+
+def float_panels_offered(ops: CpuOps | None, level: str) -> bool:
+    """Whether float32 models put their weights in float32 panels (bf16 where exact): at the avx2 level,
+    where float32 is the default dtype because the CPU has no bf16 arithmetic, unless
+    PAGECLI_BF16_WEIGHTS=0. Halves the bytes a decode step reads where the weights allow; the products
+    are the same numbers, summed in another order than PyTorch's."""
+    return ops is not None and not _switched_off(FLOAT_PANELS_VAR) and bool(ops.has_bf16_weight_linear()) \
+        and level == "avx2"
+
+
+def decode_team_wanted() -> bool:
+    """Whether the decode step runs a step of a few rows in one parallel region (decode_step.h's
+    forward_team) where it can, unless PAGECLI_DECODE_TEAM=0 (the results are the same bits either way)."""
+    return not _switched_off(DECODE_TEAM_VAR)
+
+
+def kernel_takes(kind: str, dtype: torch.dtype) -> bool:
+    """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind()) takes
+    activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16."""
+    return kind in ("avx2", "avx512_vnni") and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How this model's weights are kept and run (module docstring). Every field is decided by plan_weights."""
+
+    quantize: str  # the --quantize that runs: none, int8, int4 or gguf (auto resolved)
+    requested: str  # --quantize as given (auto, none, int8, int4, gguf)
+    dtype: torch.dtype  # the model's floats (activations, norms, the embedding table)
+    decoder: str  # the decoder layers' products: a FORMS key
+    output: str  # the output layer's: a FORMS key (gguf: Q8_0 blocks as they lie where the file has them)
+    native: bool  # the steps between products (norms, rotary, SiLU, attention) on pagecli.native's kernels
+    int8_native: bool  # int8 products on pagecli.native (else the PyTorch reference)
+    int4_native: bool  # 4-bit products on pagecli.native (else the PyTorch reference)
+    int16_activations: bool  # quantized products round activations to int16 per 64 (exact to 2^-16), not int8
+    q8_0_as_is: bool  # GGUF Q8_0 blocks run as they lie (the AVX2 int8 kernel), else requantized to int8
+    pack_floats: bool  # float products left over (bf16 models) go to the packed GEMM's panels
+    row_kernel: bool  # bf16 products of row-layout weights on pagecli.native's row kernels
+    decode_step: bool  # decode-only steps run the whole layer loop in one C++ call
+    decode_team: bool  # ... as one parallel region where the step has few rows
+    why: str  # one sentence: why this quantize (the default's choice, or the flag)
+
+    def gguf_form(self, type_name: str) -> str:
+        """The form a GGUF tensor of this type takes under --quantize gguf: int4, int8 or float."""
+        if type_name in ("Q4_0", "Q4_1"):
+            return "int4"
+        if type_name == "Q8_0":
+            return "int8"
+        return "float"
+
+    def summary(self) -> str:
+        """A few words for the start-up line: the dtype and the forms."""
+        words = f"{str(self.dtype).removeprefix('torch.')}, {SHORT[self.decoder]}"
+        if self.output != self.decoder:
+            words += f", output layer as {SHORT[self.output]}"
+        return words
+
+    def describe(self) -> str:
+        """One line for the start-up output, `pagecli doctor` and `python -m pagecli.native`."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        parts = [f"{dtype}; decoder products: {FORMS[self.decoder]}"]
+        if self.decoder == "gguf":
+            q8 = "Q8_0 as it lies" if self.q8_0_as_is else "Q8_0 requantized to int8"
+            parts[0] += f" (Q4_0/Q4_1 in 4 bits, {q8}, other types as floats)"
+        if self.output != self.decoder:
+            parts.append(f"output layer: {FORMS[self.output]}")
+        if self.quantize != "none":
+            rounding = "int16 per 64 (exact to 2^-16)" if self.int16_activations else "int8 per 64"
+            runs = "pagecli.native" if (self.int8_native and self.int4_native) else "the PyTorch reference"
+            parts.append(f"activations rounded to {rounding}, run by {runs}")
+        if self.decode_step:
+            parts.append("decode steps in one native call")
+        return "; ".join(parts) + f" ({self.why})"
+
+
+def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None, level: str,
+                 gguf_types: Mapping[str, int] | None = None) -> WeightPlan:
+    """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
+    kernels (None on a GPU or without them); level: their instruction-set level (pagecli.native.level());
+    gguf_types: how many decoder matrices each GGUF type holds, for a model converted from a .gguf file
+    (gguf_files.tensor_types), else None. Refuses --quantize off the CPU, and gguf for another model."""
+    if quantize not in ("auto", "none", *QUANTIZED):
+        raise PagecliError(f"--quantize must be auto, none, int8, int4 or gguf (got '{quantize}').")
+    if quantize in QUANTIZED and device.type != "cpu":
+        raise PagecliError(f"--quantize {quantize} runs on the CPU only; use --device cpu or --quantize none.")
+    if quantize == "gguf" and gguf_types is None:
+        raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
+                           "loaded from a .gguf file (use int8 or int4).")
+    int8_native = ops is not None and kernel_takes(ops.int8_linear_kind(), dtype)
+    int4_native = ops is not None and kernel_takes(ops.int4_linear_kind(), dtype)
+    int16 = dtype == torch.float32  # float32 models round to int16 on every level; bf16/fp16 to int8 where VNNI
+    q8_0_as_is = int8_native and (int16 or ops.int8_linear_kind() == "avx2")
+    resolved, why = _resolve(quantize, dtype, ops, int8_native, int4_native, int16, gguf_types)
+    float_form = ("float-panels" if dtype == torch.float32 and float_panels_offered(ops, level)
+                  else "bf16-panels" if dtype == torch.bfloat16 and bf16_panels_offered(ops) else "float")
+    decoder = float_form if resolved == "none" else resolved
+    if resolved in ("int8", "int4"):
+        output = "int8"  # as llama.cpp's quantized files keep theirs (Q8_0, Q6_K)
+    elif resolved == "gguf":
+        output = "gguf" if q8_0_as_is else ("bf16-panels" if float_form == "bf16-panels" else "float")
+    else:
+        output = float_form
+    # The kernels each quantize needs (the output layer of int4 runs int8); without them a product runs in PyTorch.
+    needs = {"int8": int8_native, "int4": int4_native and int8_native, "gguf": int8_native and int4_native}
+    in_pytorch = resolved in needs and not needs[resolved]
+    return WeightPlan(
+        quantize=resolved, requested=quantize, dtype=dtype, decoder=decoder, output=output,
+        native=ops is not None, int8_native=int8_native, int4_native=int4_native, int16_activations=int16,
+        q8_0_as_is=q8_0_as_is, pack_floats=float_form == "bf16-panels",
+        row_kernel=ops is not None and dtype == torch.bfloat16,
+        decode_step=ops is not None and not in_pytorch, decode_team=decode_team_wanted(), why=why,
+    )
+
+
+def _resolve(quantize: str, dtype: torch.dtype, ops: CpuOps | None, int8_native: bool, int4_native: bool,
+             int16: bool, gguf_types: Mapping[str, int] | None) -> tuple[str, str]:
+    """--quantize auto (the default): a .gguf model's own blocks where a float32 model runs them on the
+    native kernels that round activations to int16 (the converted floats' numbers to 2^-16 of each
+    activation block, KL 2e-7 on the embedded model, for a fifth of the bytes a decode step reads);
+    the converted floats everywhere else (bf16 and fp16 models, whose quantized products round
+    activations to int8; the PyTorch path; GPUs; other files)."""
+    if quantize != "auto":
+        return quantize, f"--quantize {quantize}"
+    if gguf_types is None:
+        return "none", "--quantize auto: the checkpoint's floats"
+    if ops is None:
+        return "none", "--quantize auto: no CPU kernels to run the file's blocks"
+    if not (int16 and int8_native and int4_native):
+        return "none", "--quantize auto: a bf16 or fp16 model would round activations to int8 on the blocks"
+    if not any(kind in AS_IS_TYPES for kind in gguf_types):
+        return "none", "--quantize auto: the file has no Q4_0, Q4_1 or Q8_0 blocks to run"
+    return "gguf", "--quantize auto: float32 runs the file's blocks on the int16 kernels"
+
+
+def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
+                    ops: CpuOps | None) -> WeightPlan:
+    """plan_weights for a model folder: its dtype (dtype: --dtype, resolved against its config, or the
+    loaded model's), and the GGUF file it was converted from, if any, read through the folder's index."""
+    from pagecli import native
+    from pagecli.models import gguf_files
+
+    if not isinstance(dtype, torch.dtype):
+        from pagecli.models.loader import load_hf_config, resolve_dtype
+
+        dtype = resolve_dtype(dtype, load_hf_config(folder), device)
+    source = gguf_files.gguf_source(folder) if quantize in ("auto", "gguf") else None
+    gguf_types = None
+    if source is not None:
+        try:
+            gguf_types = gguf_files.tensor_types(source, folder)
+        except (PagecliError, OSError, ValueError):
+            if quantize == "gguf":
+                raise
+            gguf_types = {}  # changed since its conversion: the converted floats still load
+    return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types)

@@ -1,0 +1,123 @@
+"""The weight plan (pagecli/models/weight_plan.py): one pure decision of how each weight is kept and what runs
+it, for every dtype, --quantize and kernel build; and an engine's model holds exactly the products its plan
+names (weight_forms.py applies it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagecli import native
+from pagecli.config import EngineConfig
+from pagecli.engine import Engine
+from pagecli.errors import PagecliError
+from pagecli.models.layers import Linear
+from pagecli.models.quantize import Int8Reference
+from pagecli.models.quantize_int4 import Int4Reference
+from pagecli.models.weight_plan import FORMS, plan_weights
+
+CPU = torch.device("cpu")
+
+
+def kernels(kind: str = "avx2", packed: bool = False, amx: bool = False, panels: bool = True) -> SimpleNamespace:
+    """A stand-in for pagecli.native's module: what the plan asks of it."""
+    return SimpleNamespace(int8_linear_kind=lambda: kind, int4_linear_kind=lambda: kind,
+                           has_packed_linear=lambda: packed, has_amx=lambda: amx,
+                           has_bf16_weight_linear=lambda: panels)
+
+
+Q4_1_FILE = {"Q4_1": 210}
+
+
+@pytest.mark.parametrize(("dtype", "ops", "level", "gguf", "expected"), [
+    (torch.float32, kernels(), "avx2", Q4_1_FILE, "gguf"),  # the embedded model on an AVX2 CPU
+    (torch.float32, kernels("avx512_vnni"), "avx512", Q4_1_FILE, "gguf"),  # float32 rounds to int16 everywhere
+    (torch.bfloat16, kernels("avx512_vnni"), "avx512", Q4_1_FILE, "none"),  # bf16 would round to int8
+    (torch.float32, None, "torch", Q4_1_FILE, "none"),  # no kernels: the converted floats
+    (torch.float32, kernels(""), "avx2", Q4_1_FILE, "none"),  # kernels without quantized products
+    (torch.float32, kernels(), "avx2", None, "none"),  # not from a GGUF file
+    (torch.float32, kernels(), "avx2", {"Q6_K": 30, "F16": 2}, "none"),  # no blocks that run as they lie
+])
+def test_auto_runs_a_gguf_files_blocks_only_where_that_is_exact_to_2_16(dtype, ops, level, gguf, expected):
+    plan = plan_weights(dtype, CPU, "auto", ops, level, gguf)
+    assert plan.quantize == expected and plan.requested == "auto"
+    assert plan.why.startswith("--quantize auto")
+
+
+def test_the_unquantized_forms_follow_the_dtype_and_the_level():
+    f32 = plan_weights(torch.float32, CPU, "none", kernels(), "avx2")
+    assert (f32.decoder, f32.output, f32.decode_step) == ("float-panels", "float-panels", True)
+    assert plan_weights(torch.float32, CPU, "none", kernels(), "avx512").decoder == "float"  # panels: avx2 only
+    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True), "avx512")
+    assert (bf16.decoder, bf16.output, bf16.pack_floats, bf16.row_kernel) == ("bf16-panels", "bf16-panels", True, True)
+    amx = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True, amx=True), "amx")
+    assert amx.decoder == "float" and not amx.pack_floats  # the AMX kernels read the weights as they lie
+    torch_path = plan_weights(torch.float32, CPU, "none", None, "torch")
+    assert (torch_path.decoder, torch_path.native, torch_path.decode_step) == ("float", False, False)
+
+
+def test_switches_turn_the_panels_and_the_team_off(monkeypatch):
+    monkeypatch.setenv("PAGECLI_BF16_WEIGHTS", "0")
+    monkeypatch.setenv("PAGECLI_PACKED_GEMM", "0")
+    monkeypatch.setenv("PAGECLI_DECODE_TEAM", "0")
+    assert plan_weights(torch.float32, CPU, "none", kernels(), "avx2").decoder == "float"
+    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True), "avx512")
+    assert bf16.decoder == "float" and not bf16.decode_team
+
+
+def test_quantized_forms_round_activations_by_dtype_and_fall_back_to_pytorch_without_kernels():
+    int4 = plan_weights(torch.bfloat16, CPU, "int4", kernels("avx512_vnni"), "avx512")
+    assert (int4.decoder, int4.output, int4.int16_activations, int4.decode_step) == ("int4", "int8", False, True)
+    assert plan_weights(torch.float32, CPU, "int8", kernels("avx512_vnni"), "avx512").int16_activations
+    reference = plan_weights(torch.float32, CPU, "int8", None, "torch")
+    assert (reference.int8_native, reference.decode_step) == (False, False)
+    vnni_gguf = plan_weights(torch.bfloat16, CPU, "gguf", kernels("avx512_vnni"), "avx512", Q4_1_FILE)
+    assert not vnni_gguf.q8_0_as_is and vnni_gguf.output == "float"  # Q8_0 requantized; the output keeps floats
+    avx2_gguf = plan_weights(torch.float32, CPU, "gguf", kernels(), "avx2", Q4_1_FILE)
+    assert avx2_gguf.q8_0_as_is and avx2_gguf.output == "gguf"
+    assert [avx2_gguf.gguf_form(t) for t in ("Q4_0", "Q4_1", "Q8_0", "Q6_K")] == ["int4", "int4", "int8", "float"]
+
+
+def test_what_cannot_run_is_refused_in_one_sentence():
+    with pytest.raises(PagecliError, match="CPU only"):
+        plan_weights(torch.bfloat16, torch.device("cuda"), "int4", None, "torch")
+    with pytest.raises(PagecliError, match="not loaded from a .gguf file"):
+        plan_weights(torch.float32, CPU, "gguf", kernels(), "avx2", None)
+    with pytest.raises(PagecliError, match="--quantize must be"):
+        plan_weights(torch.float32, CPU, "int3", kernels(), "avx2")
+
+
+def test_every_form_is_described():
+    for dtype, quantize, gguf in ((torch.float32, "none", None), (torch.float32, "gguf", Q4_1_FILE),
+                                  (torch.bfloat16, "int8", None), (torch.bfloat16, "int4", None)):
+        plan = plan_weights(dtype, CPU, quantize, kernels("avx512_vnni", packed=True), "avx512", gguf)
+        line = plan.describe()
+        assert FORMS[plan.decoder] in line and str(dtype).removeprefix("torch.") in line
+        assert plan.summary().startswith(str(dtype).removeprefix("torch."))
+
+
+PRODUCT_OF_FORM = {
+    "float": lambda p: p is None,
+    "bf16-panels": lambda p: type(p).__name__ == "PackedLinear",
+    "float-panels": lambda p: type(p).__name__ == "F32PanelLinear",
+    "int8": lambda p: type(p).__name__ == "PackedLinearInt8" or isinstance(p, Int8Reference),
+    "int4": lambda p: type(p).__name__ == "PackedLinearInt4" or isinstance(p, Int4Reference),
+}
+
+
+@pytest.mark.parametrize(("dtype", "quantize"), [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"),
+                                                 ("bfloat16", "int4")])
+def test_an_engines_model_holds_the_products_its_plan_names(tiny_model_factory, dtype, quantize):
+    config = EngineConfig(dtype=dtype, quantize=quantize, disk_cache=False, num_blocks=32, block_size=4)
+    with Engine(str(tiny_model_factory("llama")), config) as engine:
+        plan, model = engine.plan, engine.loaded.model
+        assert (plan.quantize, str(plan.dtype)) == (quantize, f"torch.{dtype}")
+        linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+        assert linears and all(PRODUCT_OF_FORM[plan.decoder](m.packed) for m in linears), plan.decoder
+        if plan.output != "float":
+            assert PRODUCT_OF_FORM[plan.output](model.output_packed), plan.output
+        assert (model.decode_step is not None) == plan.decode_step
+        assert plan.native == (native.cpu_ops() is not None)
+        assert engine.stats().weight_forms == plan.summary()
