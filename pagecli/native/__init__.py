@@ -49,7 +49,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "prefill_attention.cpp",  # paged prefill attention (AMX)
     "linear.cpp",             # products over row-layout weights: rows kernel, AMX tiles, native_linear
     "gemm_bf16.cpp",          # the packed bf16 GEMM (AVX512-BF16)
-    "bf16_weights.cpp",       # float32 models at avx2: products on 16-column panels, bf16 where exact (AVX2 + FMA)
+    "float_panels.cpp",       # float32 models at avx2: products on 16-column panels, bf16 where exact (AVX2 + FMA)
     "quant_int8.cpp",         # int8 weights: packed AVX512-BF16 kernel, AVX2 kernel
     "quant_int4.cpp",         # 4-bit weights in groups of 32 (Q4_0/Q4_1 family): AVX512-BF16, AVX2
     "elementwise.cpp",        # fused add + RMSNorm, rotary, SiLU * up
@@ -61,7 +61,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
 ))
 _HEADERS = tuple(_HERE / name for name in (
-    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "bf16_weights.h", "panel_f32.h", "quant_int8.h",
+    "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "float_panels.h", "panel_f32.h", "quant_int8.h",
     "quant_int4.h", "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
     "work_share.h", "read_probe.h", "weight_memory.h", "row_max.h",
 ))

@@ -3,7 +3,7 @@
 
 #include <torch/extension.h>
 
-#include "bf16_weights.h"
+#include "float_panels.h"
 #include "cpu_ops.h"
 #include "decode_step.h"
 #include "gemm_bf16.h"

@@ -28,7 +28,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decode_task_split(to
 // decode_attention_bf16.cpp: whether paged_decode_attention runs such query and cache on AVX512-BF16
 // dot products (a bf16 query over a bf16 or fp8 cache, or an int8 one where the build has
 // AVX512-VNNI; head sizes of 32-256 by 32; a build with AVX512-BF16). The engine then runs prompts
-// through it too, a row per token (torch_backend.py).
+// through it too, a row per token (attention/cpu_backend.py).
 bool paged_decode_bf16_supported(const torch::Tensor& query, const torch::Tensor& k_cache);
 
 // kv_quant.cpp: rows [num_tokens, kv_heads, head_dim] (float32/bf16/fp16) into slots [num_tokens] int64

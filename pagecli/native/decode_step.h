@@ -16,7 +16,7 @@ namespace pagecli {
 // is a few ms of interpreter and dispatch per token, and the pauses let the second OpenMP thread
 // go to sleep between products. DecodeStep runs the same layer, kernel for kernel and in the same
 // order (so its results are bit-identical to the Python loop), for steps where every sequence
-// decodes one token. Weights are held by reference, as CausalLM.use_cpu_ops found them.
+// decodes one token. Weights are held by reference, as pagecli.models.weight_forms placed them.
 class DecodeStep {
  public:
   // Per layer, in this order (None where the model has no such tensor): input norm, qkv weight, qkv
@@ -30,7 +30,7 @@ class DecodeStep {
   using PackedLayer = std::vector<std::shared_ptr<PackedProduct>>;
 
   // team: run steps of up to kTeamRows rows in one parallel region where the products allow
-  // (forward_team below; pagecli.native.decode_team_wanted, PAGECLI_DECODE_TEAM).
+  // (forward_team below; pagecli.models.weight_plan.decode_team_wanted, PAGECLI_DECODE_TEAM).
   DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
              torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
              bool team);

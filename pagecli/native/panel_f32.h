@@ -1,5 +1,5 @@
 // The register-tiled product of float32 activations and weights kept in 16-column panels: the AVX2
-// kernel of float32 models' weights, kept in bf16 or float32 (bf16_weights.cpp). Its division of a
+// kernel of float32 models' weights, kept in bf16 or float32 (float_panels.cpp). Its division of a
 // product into tiles (for_panel_tiles) serves the quantized AVX2 kernels too (panel_i16.h).
 //
 // A format is a `Panels` type whose widen(p, k, lo, hi) gives row k of panel p as two fp32 vectors,

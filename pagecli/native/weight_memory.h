@@ -8,7 +8,7 @@
 // alternating in one process). torch allocates weights in 4 KB pages unless THP_MEM_ALLOC_ENABLE is
 // set before it starts, and then only blocks of 2 MB and more.
 //
-// The packers put their panels here, and CausalLM.use_cpu_ops moves the weights products read as
+// The packers put their panels here, and pagecli.models.weight_forms moves the weights products read as
 // they lie (AMX, float32 models, the avx2 level) here too: small tensors share 64 MB regions (each
 // advised once), large ones get a region of their own; a region is unmapped when the last tensor in
 // it is freed. The KV pool is left in 4 KB pages: one sequence touches every layer's K and V, and in

@@ -1,4 +1,4 @@
-// Entry points of bf16_weights.cpp: float32 activations times weights kept in panels, in bfloat16 where
+// Entry points of float_panels.cpp: float32 activations times weights kept in panels, in bfloat16 where
 // that loses nothing, for float32 models on CPUs without bf16 arithmetic (the avx2 level), bound into
 // the extension by bindings.cpp.
 
@@ -41,7 +41,7 @@ class F32PanelLinear : public PackedProduct {
   int64_t in_features() const { return K_; }
 
  private:
-  at::Tensor panels_;  // [ceil(N / 16), K, 16] bf16 or float32 (layout in bf16_weights.cpp)
+  at::Tensor panels_;  // [ceil(N / 16), K, 16] bf16 or float32 (layout in float_panels.cpp)
   at::Tensor bias_;    // [N] fp32, or undefined
   int64_t N_, K_;
 };

@@ -1,5 +1,5 @@
 // Float32 activations times weights kept in 16-column panels, in bfloat16 where every value is one
-// (bf16_weights.h), for float32 models on the avx2 level: CPUs without bf16 arithmetic (AMD Zen 2/3,
+// (float_panels.h), for float32 models on the avx2 level: CPUs without bf16 arithmetic (AMD Zen 2/3,
 // Intel before Cooper Lake, most laptops). Other weights keep float32 in the same panels: the tile
 // streams them at the memory's rate, where PyTorch's float32 product of a few rows does not.
 //
@@ -15,7 +15,7 @@
 // masking off the low half is columns 8-15, each in column order, so no shuffle is needed. The
 // product is panel_f32.h's register tile.
 
-#include "bf16_weights.h"
+#include "float_panels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
