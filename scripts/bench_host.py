@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_host.py [--seqs 1,64,256] [--steps 40] [--threads 1] [--json OUT]
 
 The model has real depth and vocabulary but negligible width (scripts/make_shape_models.py's `host-probe`:
-30 layers, hidden 128, one KV head of 64, the embedded model's 49,152-token vocabulary), so its arithmetic
+30 layers, hidden 64, one head of 64, the embedded model's 49,152-token vocabulary), so its arithmetic
 costs little (but for the output layer's, timed apart) and what a step takes is mostly the host's: scheduling, building the step's inputs, the
 Python around the kernels, sampling, stop checks and detokenizing, stats. Each case starts N requests
 (16-token prompts, `max_tokens` past the run, EOS ignored), lets them reach steady decode, then times
@@ -13,7 +13,7 @@ Python around the kernels, sampling, stop checks and detokenizing, stats. Each c
   inputs     ModelRunner.prepare: token ids, positions, block tables, slot mapping as tensors
   layers     the forward through the decoder layers (products, norms, attention): arithmetic, plus the
              Python between kernels where a step is not one native call
-  logits     the output layer: real arithmetic even here (49,152 x 128 per row)
+  logits     the output layer: real arithmetic even here (49,152 x 64 per row)
   sample     engine.sampler.sample over the step's logits
   tokens     per sequence: append, stop checks, detokenize, events (Engine._on_token)
   other      the rest of Engine.step (bookkeeping between the parts)

@@ -15,7 +15,7 @@ SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
   smollm2-135m   30 layers, hidden 576, 9 heads / 3 kv heads, MLP 1536, tied embeddings: 0.13B
   smollm2-1.7b   24 layers, hidden 2048, 32 heads (no GQA), MLP 8192, tied embeddings: 1.71B
   qwen2.5-0.5b   24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, tied embeddings: 0.40B
-  host-probe     30 layers, hidden 128, 2 heads / 1 kv head, MLP 256, tied: the engine's host time
+  host-probe     30 layers, hidden 64, 1 head of 64, MLP 128, tied: the engine's host time
   llama2-7b      32 layers, hidden 4096, 32 heads (no GQA), head size 128, MLP 11008, its own output
                  layer: 6.88B (Llama-2-7B's shape with this vocabulary; 13.8 GB of bf16, in shards of
                  about 2 GB, built one at a time so that making it needs about 2 GB of memory)
@@ -52,8 +52,8 @@ SHAPES = {
                          max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=False,
                          mlp_bias=False),
     # Real depth and vocabulary, negligible width: the engine's host time per step (scripts/bench_host.py).
-    "host-probe": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=128,
-                       intermediate_size=256, num_hidden_layers=30, num_attention_heads=2,
+    "host-probe": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=30, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                        max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
                        mlp_bias=False),
