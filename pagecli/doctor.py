@@ -271,6 +271,7 @@ def _default_run(torch: Any) -> list[Finding]:
     from pagecli.attention import select_backend
     from pagecli.config.settings import EngineConfig
     from pagecli.models.loader import cpu_has_bf16, resolve_device, resolve_dtype
+    from pagecli.models.weight_plan import blocks_choose_float32
 
     from pagecli.errors import PagecliError
 
@@ -287,9 +288,16 @@ def _default_run(torch: Any) -> list[Finding]:
                        "kernels for decode where built")
     stored = _default_model_stored_dtype()
     dtype = resolve_dtype(config.dtype, SimpleNamespace(dtype=stored), device)
+    ops, gguf_types = _default_kernels_and_blocks(device)
+    blocks_float32 = dtype == torch.bfloat16 and blocks_choose_float32(config.quantize, device, ops, gguf_types)
+    if blocks_float32:
+        dtype = torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         dtype_why = f"the model stores {stored}; a GPU runs 16-bit"
+    elif blocks_float32:
+        dtype_why = (f"the model stores {stored}; this CPU computes bfloat16 natively, but float32 runs the GGUF "
+                     "file's own blocks on the int16 kernels, faster and closer to the file (no AMX here)")
     elif dtype == torch.bfloat16:
         dtype_why = f"the model stores {stored}; this CPU computes bfloat16 natively (AVX512-BF16 or AMX)"
     elif stored in ("float32", "bfloat16") and not cpu_has_bf16():
@@ -306,24 +314,30 @@ def _default_run(torch: Any) -> list[Finding]:
     ]
 
 
-def _default_weight_plan(dtype: Any, device: Any) -> str:
-    """The weight plan (pagecli.models.weight_plan) of the embedded model at the default settings: how its
-    weights are kept and what runs them, by the engine's own rule. The kernels count where they are built
-    (doctor compiles nothing)."""
+def _default_kernels_and_blocks(device: Any) -> tuple[Any, Any]:
+    """The CPU kernels where built (doctor compiles nothing) and the embedded model's GGUF tensor types."""
     from pagecli import native
-    from pagecli.config.settings import EngineConfig
     from pagecli.errors import PagecliError
     from pagecli.models.gguf_files import tensor_types
     from pagecli.models.source import converted_folder_for, default_model_gguf
-    from pagecli.models.weight_plan import plan_weights
 
     ops = native.cpu_ops() if device.type == "cpu" and native.enabled() and native.is_built() else None
     try:
         source = default_model_gguf()
         folder = converted_folder_for(source)  # its index, where converted, saves parsing the file
-        gguf_types = tensor_types(source, folder if folder.is_dir() else None)
+        return ops, tensor_types(source, folder if folder.is_dir() else None)
     except (PagecliError, OSError, ValueError):
-        gguf_types = None
+        return ops, None
+
+
+def _default_weight_plan(dtype: Any, device: Any) -> str:
+    """The weight plan (pagecli.models.weight_plan) of the embedded model at the default settings: how its
+    weights are kept and what runs them, by the engine's own rule."""
+    from pagecli import native
+    from pagecli.config.settings import EngineConfig
+    from pagecli.models.weight_plan import plan_weights
+
+    ops, gguf_types = _default_kernels_and_blocks(device)
     plan = plan_weights(dtype, device, EngineConfig().quantize, ops, native.level() if ops is not None else "torch",
                         gguf_types)
     return plan.describe()

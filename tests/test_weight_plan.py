@@ -121,3 +121,20 @@ def test_an_engines_model_holds_the_products_its_plan_names(tiny_model_factory, 
         assert (model.decode_step is not None) == plan.decode_step
         assert plan.native == (native.cpu_ops() is not None)
         assert engine.stats().weight_forms == plan.summary()
+
+
+def test_auto_dtype_takes_float32_for_a_gguf_files_blocks_on_bf16_cpus_without_amx(smollm2_dir, monkeypatch):
+    from pagecli.models import loader
+    from pagecli.models.weight_plan import blocks_choose_float32, plan_for_folder
+
+    zen4 = kernels("avx512_vnni", packed=True)
+    assert blocks_choose_float32("auto", CPU, zen4, Q4_1_FILE)
+    assert not blocks_choose_float32("auto", CPU, kernels("avx512_vnni", packed=True, amx=True), Q4_1_FILE)
+    assert not blocks_choose_float32("none", CPU, zen4, Q4_1_FILE)  # the converted floats asked for
+    assert not blocks_choose_float32("auto", CPU, zen4, {"Q6_K": 30})  # nothing runs as it lies
+    assert not blocks_choose_float32("auto", CPU, None, Q4_1_FILE)
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)  # a Zen 4 as resolve_dtype sees it
+    plan = plan_for_folder(smollm2_dir, "auto", CPU, "auto", zen4)
+    assert (plan.dtype, plan.quantize) == (torch.float32, "gguf")
+    assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", zen4).dtype == torch.bfloat16  # as asked
+    assert plan_for_folder(smollm2_dir, "auto", CPU, "none", zen4).dtype == torch.bfloat16

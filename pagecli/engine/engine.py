@@ -111,7 +111,7 @@ class Engine:
             cpu_ops = self._cpu_ops(device, progress)
             self.plan = plan_for_folder(folder, self.config.dtype, device, self.config.quantize, cpu_ops)
             placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
-            loaded = load_model(folder, self.config.dtype, self.config.device,
+            loaded = load_model(folder, str(self.plan.dtype).removeprefix("torch."), self.config.device,
                                 max_positions=self._context_cap_for(folder),
                                 layer_ready=placer.layer_ready, layer_provided=placer.layer_provided)
             model = model or DEFAULT_MODEL_NAME

@@ -206,17 +206,28 @@ def _resolve(quantize: str, dtype: torch.dtype, ops: CpuOps | None, int8_native:
     return "gguf", "--quantize auto: float32 runs the file's blocks on the int16 kernels"
 
 
+def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | None,
+                          gguf_types: Mapping[str, int] | None) -> bool:
+    """Whether `--dtype auto` takes float32 rather than bfloat16 for a model converted from a GGUF file:
+    on a CPU with bf16 arithmetic but no AMX tiles, where the file has blocks that run as they lie and the
+    native kernels run them. Its blocks then run with activations rounded to int16 (the converted floats'
+    numbers to 2^-16) instead of its floats rounded to bf16: measured on a Zen 4 (AVX512-BF16, no AMX),
+    2 threads, the embedded model decoded at 119 tok/s greedy this way against 101 in bf16 and llama.cpp
+    Q4_1's 116 (issue 43, llama-bench tg256). AMX CPUs keep bf16: unmeasured there."""
+    return (quantize in ("auto", "gguf") and device.type == "cpu" and ops is not None and not ops.has_amx()
+            and gguf_types is not None and any(kind in AS_IS_TYPES for kind in gguf_types)
+            and kernel_takes(ops.int8_linear_kind(), torch.float32)
+            and kernel_takes(ops.int4_linear_kind(), torch.float32))
+
+
 def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
                     ops: CpuOps | None) -> WeightPlan:
     """plan_weights for a model folder: its dtype (dtype: --dtype, resolved against its config, or the
-    loaded model's), and the GGUF file it was converted from, if any, read through the folder's index."""
+    loaded model's; `auto` takes float32 where blocks_choose_float32), and the GGUF file it was converted
+    from, if any, read through the folder's index. The engine loads the model in plan.dtype."""
     from pagecli import native
     from pagecli.models import gguf_files
 
-    if not isinstance(dtype, torch.dtype):
-        from pagecli.models.loader import load_hf_config, resolve_dtype
-
-        dtype = resolve_dtype(dtype, load_hf_config(folder), device)
     source = gguf_files.gguf_source(folder) if quantize in ("auto", "gguf") else None
     gguf_types = None
     if source is not None:
@@ -226,4 +237,11 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
             if quantize == "gguf":
                 raise
             gguf_types = {}  # changed since its conversion: the converted floats still load
+    if not isinstance(dtype, torch.dtype):
+        from pagecli.models.loader import load_hf_config, resolve_dtype
+
+        auto = dtype == "auto"
+        dtype = resolve_dtype(dtype, load_hf_config(folder), device)
+        if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types):
+            dtype = torch.float32
     return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types)
