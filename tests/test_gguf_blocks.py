@@ -243,3 +243,22 @@ def test_every_shipped_profile_leaves_quantize_to_auto():
     for path in profiles:
         assert load_profile(str(path)).engine_config().quantize == "auto", path.name
     assert load_profile().engine_config().quantize == "auto"
+
+
+def test_a_tied_table_on_q8_0_blocks_looks_its_rows_up_there_exactly(smollm2_dir):
+    """The embedded model's tied table is Q8_0 in its file: where the output layer runs those blocks as they
+    lie, the lookup reads rows from them (weight_forms.Q8Rows) and no float table is kept; every row equals
+    the converted folder's float32 row (gguf's dequantization) bit for bit."""
+    from safetensors import safe_open
+
+    with Engine(str(smollm2_dir), EngineConfig(dtype="float32", disk_cache=False)) as engine:
+        embed = engine.loaded.model.model.embed_tokens
+        if not engine.plan.q8_0_as_is:
+            pytest.skip("Q8_0 blocks do not run as they lie here")
+        assert embed.weight is None and type(embed.packed).__name__ == "Q8Rows"
+        ids = torch.arange(engine.loaded.spec.vocab_size).view(-1, 64)  # every row, in a 2-D batch
+        rows = embed(ids).view(-1, engine.loaded.spec.hidden_size)
+    file = next(smollm2_dir.glob("*.safetensors"))
+    with safe_open(str(file), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight").float()
+    assert torch.equal(rows, table)

@@ -126,7 +126,8 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """nn.Embedding without the random init, for the same reason as Linear. When the output layer
     shares its table and runs on the packed GEMM, the table is kept only packed (`weight` None) and
-    rows are read back from the panels: the same values, one copy of the bytes."""
+    rows are read back from the panels: the same values, one copy of the bytes. Likewise on a GGUF file's
+    Q8_0 blocks as they lie (read_rows_from: the table's values are those blocks, dequantized)."""
 
     packed: Any = None  # the output layer's PackedLinear, whose panels hold this table
 
@@ -137,6 +138,12 @@ class Embedding(nn.Embedding):
         self.packed = packed
         self.weight = None
         self.packed_weight = nn.Parameter(packed.panels, requires_grad=False)
+
+    def read_rows_from(self, source: Any) -> None:
+        """Look rows up in `source` (its `rows(ids)` gives this table's exact rows) and drop the table; the
+        bytes stay counted where the source's owner keeps them (the output layer's product)."""
+        self.packed = source
+        self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

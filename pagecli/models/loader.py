@@ -184,8 +184,9 @@ def _refuse_remote_code(exc: BaseException, folder: Path, what: str, file_name: 
 
 
 LayerReady = Callable[[CausalLM, int], None]  # (the model, the index of the decoder layer just loaded)
-# The checkpoint names of decoder layer `index` whose weights the caller puts in place itself (in layer_ready).
-LayerProvided = Callable[[CausalLM, int], frozenset[str]]
+# The checkpoint names of decoder layer `index` whose weights the caller puts in place itself (in layer_ready);
+# index None: of the weights outside the decoder layers (the caller puts them in place after loading).
+LayerProvided = Callable[[CausalLM, "int | None"], frozenset[str]]
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
@@ -215,7 +216,8 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     which is closed after each layer: a quantized model never holds more than one layer of float
     weights, and none of the file stays resident (a tensor viewing the mapping kept the whole file
     counted in the process's memory: a 7B model loaded to int4 stayed at 16 GB resident for 4.4 GB
-    of weights). A layer's weights that layer_provided names are not read at all."""
+    of weights). The weights that layer_provided names (for a layer, or None: outside the layers) are not
+    read at all."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
@@ -230,6 +232,8 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     for name in where:
         match = _LAYER_NAME.match(name)
         (layers.setdefault(int(match.group(1)), []) if match else outside).append(name)
+    provided = layer_provided(model, None) if layer_provided is not None else frozenset()
+    outside = [name for name in outside if name not in provided]
     model.load_state_dict(_read_tensors(outside, where, expected, dtype, device), strict=False, assign=True)
     for index, layer in enumerate(model.model.layers):
         provided = layer_provided(model, index) if layer_provided is not None else frozenset()

@@ -48,6 +48,7 @@ class WeightPlacer:
         self._placed: set[int] = set()
         self._gguf: Any = None  # the file's GgufBlocks while layers are put on them
         self._gguf_products: dict[int, dict[tuple[str, str], Any]] = {}  # read ahead by layer_provided
+        self._gguf_output_parts: Any = None  # the output layer's blocks, read ahead by layer_provided
         self._said = [0, time.monotonic()]  # layers done, when progress was last said
         if plan.quantize == "gguf" and plan.requested == "auto":
             self.say("Running the GGUF file's own quantized blocks as they lie (--quantize auto; "
@@ -59,14 +60,20 @@ class WeightPlacer:
 
     # --- load_model's hooks ---------------------------------------------------------------------------
     @property
-    def layer_provided(self) -> Callable[[CausalLM, int], frozenset[str]] | None:
+    def layer_provided(self) -> Callable[[CausalLM, int | None], frozenset[str]] | None:
         """load_model's layer_provided hook: under --quantize gguf, the checkpoint weights a layer's GGUF
-        blocks replace (their floats are never read); None otherwise."""
+        blocks replace (their floats are never read), and outside the layers (index None) a tied table
+        that the output layer's Q8_0 blocks hold exactly; None otherwise."""
         return self._weights_on_blocks if self.plan.quantize == "gguf" else None
 
-    def _weights_on_blocks(self, model: CausalLM, index: int) -> frozenset[str]:
+    def _weights_on_blocks(self, model: CausalLM, index: int | None) -> frozenset[str]:
         from pagecli.models import gguf_blocks
 
+        if index is None:  # outside the layers: a tied table the output layer's Q8_0 blocks hold exactly
+            self._gguf_output_parts = self._gguf_blocks(model).output()
+            tied_q8 = (model.spec.tie_word_embeddings and self.plan.q8_0_as_is
+                       and isinstance(self._gguf_output_parts, gguf_blocks.Q8Parts))
+            return frozenset({"model.embed_tokens.weight"}) if tied_q8 else frozenset()
         products = self._gguf_blocks(model).layer(index)
         self._gguf_products[index] = products
         return gguf_blocks.weights_replaced(index, products)
@@ -160,6 +167,15 @@ class WeightPlacer:
         model.output_packed, kept = int8_product(q, scale, None, ops, int16)
         model.output_int8 = nn.Parameter(kept["packed_weight"], requires_grad=False)  # counted as the model's bytes
         model.output_int8_scale = nn.Parameter(kept["weight_scale"], requires_grad=False)
+        table = model.model.embed_tokens
+        if scale.dtype == torch.float16 and Q8Rows.reads(model.output_packed, table.weight):
+            # The table's values are these Q8_0 blocks dequantized: look rows up there, keep no float table
+            # (the embedded model's 113 MB of float32, never read from the converted folder: layer_provided).
+            table.read_rows_from(Q8Rows(model.output_packed, table.weight.shape[1], self.plan.dtype))
+        elif table.weight is not None and table.weight.is_meta:  # left unread, but another kernel runs the blocks
+            from pagecli.models.gguf_blocks import Q8Parts, dequantize_parts
+
+            table.weight = nn.Parameter(dequantize_parts(Q8Parts(q, scale)).to(self.plan.dtype), requires_grad=False)
 
     def _gguf_output(self, model: CausalLM) -> str:
         """--quantize gguf: the output layer on the file's Q8_0 blocks as they lie, as llama.cpp reads them
@@ -167,7 +183,8 @@ class WeightPlacer:
         where Q8_0 cannot run as it lies, keep the floats: then the form the floats take."""
         from pagecli.models import gguf_blocks
 
-        parts = self._gguf_blocks(model).output()
+        parts = self._gguf_output_parts if self._gguf_output_parts is not None else self._gguf_blocks(model).output()
+        self._gguf_output_parts = None
         if isinstance(parts, gguf_blocks.Q8Parts) and self.plan.q8_0_as_is:
             self._output_on_int8(model, parts.q, parts.scale)
             return "done"
@@ -251,6 +268,33 @@ class WeightPlacer:
             model.model.norm.weight, model.rotary.cos, model.rotary.sin, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.rms_norm_eps, layers[0].self_attn.scale, self.plan.decode_team,
         )
+
+
+class Q8Rows:
+    """The rows of a weight kept by pagecli.native's AVX2 int8 product on a GGUF file's Q8_0 blocks as they
+    lie (fp16 scales per 32): q int8 [ceil(N / 16), Kp / 2, 32] in 16-row panels of k pairs (entry
+    [p, kk, 2 i + j] is q[16 p + i, 2 kk + j]), scales fp16 [ceil(N / 16), Kp / 32, 16] (quant_int8.h).
+    rows(ids) gives q * scale in float32, exactly the values gguf's dequantization (and so the converted
+    folder) has, cast to the table's dtype."""
+
+    def __init__(self, product: Any, in_features: int, dtype: torch.dtype) -> None:
+        self.weights, self.scales = product.weights, product.scales
+        self.in_features, self.dtype = in_features, dtype
+
+    @staticmethod
+    def reads(product: Any, table: torch.Tensor | None) -> bool:
+        """Whether the product is the AVX2 kernel on Q8_0 blocks (the layout rows() reads) of this table's shape."""
+        return (table is not None and getattr(product, "kind", None) == "avx2" and product.scales.dtype == torch.float16
+                and product.weights.dim() == 3 and product.weights.shape[2] == 32
+                and product.out_features == table.shape[0] and product.in_features == table.shape[1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        panel, lane = flat // 16, flat % 16
+        k = self.in_features
+        q = self.weights.view(*self.weights.shape[:2], 16, 2)[panel, :, lane, :].reshape(len(flat), -1)[:, :k]
+        scale = self.scales[panel, :, lane].float().repeat_interleave(32, dim=1)[:, :k]  # [n, K]
+        return (q.float() * scale).to(self.dtype).view(*ids.shape, k)
 
 
 def _linears(module: nn.Module) -> list[Linear]:
