@@ -29,10 +29,10 @@ class _TemplateTokenizer:
 
     def apply_chat_template(self, messages: Any, tokenize: bool = False, add_generation_prompt: bool = False,
                             tools: Any = None) -> str:
-        from pagecli.models.tokenizer import _compiled_template
+        from pagecli.models.chat_template import render_chat_template
 
-        return _compiled_template(self.chat_template).render(messages=messages, tools=tools,
-                                                             add_generation_prompt=add_generation_prompt)
+        return render_chat_template(self.chat_template, messages=messages, tools=tools,
+                                    add_generation_prompt=add_generation_prompt)
 
 
 class ScriptedEngine:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagecli.chat.conversation import KnownPrefix
 from pagecli.errors import RequestError, request_error_of
+from pagecli.models.chat_template import apply_chat_template
 
 # Raised by a template's own expressions on some conversations ({{ 1 / 0 }}, {{ text + 1 }}): the
 # template is at fault, and only for this conversation, so the chat goes on.
@@ -45,7 +46,7 @@ class PromptBuilder:
 
     def render(self, messages: list[dict[str, str]]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return apply_chat_template(self.tokenizer, messages)
         except Exception as exc:  # noqa: BLE001 - sorted by request_error_of: this conversation's fault or a bug
             error = request_error_of(exc, "the chat template failed on this conversation", _TEMPLATE_BUGS)
             if error is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagecli.cluster.routing import route_key
 from pagecli.errors import request_failure
+from pagecli.models.chat_template import apply_chat_template
 
 
 class PromptKeys:
@@ -35,7 +36,7 @@ class PromptKeys:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         if self._template:
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = apply_chat_template(self.tokenizer, prompt)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         text = "\n".join(f"{m['role']}: {m['content']}" for m in prompt) + "\nassistant:"
         return list(self.tokenizer(text)["input_ids"])

@@ -38,6 +38,7 @@ from pagecli.engine.scheduler import Scheduler
 from pagecli.engine.sequence import Sequence
 from pagecli.engine.stats import EngineStats
 from pagecli.engine.structured import GrammarCompiler
+from pagecli.models.chat_template import apply_chat_template
 from pagecli.models.messages import Conversation, developer_as_system, read_messages
 from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
@@ -270,8 +271,7 @@ class Engine:
         if tools and not template_takes_tools(self.chat_template):
             messages, tools = tools_in_system_message(messages, tools), None
         if self.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **({"tools": tools} if tools else {}))
+            text = apply_chat_template(self.tokenizer, messages, tools=tools)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not self._warned_no_chat_template:
             self._warned_no_chat_template = True

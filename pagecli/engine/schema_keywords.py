@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagecli.engine.grammar_limits import refuse_large_count, regex_problem
 from pagecli.errors import RequestError
 
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-               "contains", "minContains", "maxContains")
+               "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
 # The `format` values whose strings xgrammar constrains; any other would be an annotation only.
 _ENFORCED_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
                                "uri", "uri-reference", "uuid"})
@@ -28,6 +29,7 @@ def refuse_unenforced_keywords(schema: Any, where: str = "#") -> None:
     """Raise RequestError at the first keyword, anywhere in schema, that would not be enforced."""
     if not isinstance(schema, dict):
         return
+    refuse_large_count(schema, where)
     problem = _node_problem(schema)
     if problem is not None:
         raise RequestError(f"the JSON schema uses {problem} at {where}, which constrained decoding cannot "
@@ -53,9 +55,53 @@ def _node_problem(schema: dict[str, Any]) -> str | None:
         return "'uniqueItems'"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "'allOf' with more than one schema"
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        return "'multipleOf' on a non-integer"
+    if "multipleOf" in schema:
+        problem = _multiple_of_problem(schema)
+        if problem is not None:
+            return problem
     form = schema.get("format")
     if isinstance(form, str) and form not in _ENFORCED_FORMATS:
         return f"format '{form}'"
+    lengths = [key for key in ("minLength", "maxLength") if key in schema]
+    for rule in ("pattern", "format"):
+        if rule in schema and lengths:
+            return f"'{lengths[0]}' together with '{rule}' (the engine keeps the {rule} and drops the length)"
+    if isinstance(schema.get("pattern"), str):
+        problem = regex_problem(schema["pattern"])
+        if problem is not None:
+            return f"{problem} of 'pattern' {schema['pattern']!r}"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"'$ref' to {ref!r} (only '#' and '#/...' references within the schema are followed)"
+    return None
+
+
+def schema_regexes(schema: Any) -> list[str]:
+    """Every regular expression in schema: its `pattern` values and `patternProperties` names, at any depth."""
+    found: list[str] = []
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found.extend(str(name) for name in node["patternProperties"])
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found
+
+
+def _multiple_of_problem(schema: dict[str, Any]) -> str | None:
+    """xgrammar enforces multipleOf on integers only: a whole number, with both bounds or with neither."""
+    if schema.get("type") != "integer":
+        return "'multipleOf' on a non-integer"
+    step = schema["multipleOf"]
+    if not isinstance(step, int) or isinstance(step, bool):
+        return "'multipleOf' that is not an integer"
+    lower = "minimum" in schema or "exclusiveMinimum" in schema
+    upper = "maximum" in schema or "exclusiveMaximum" in schema
+    if lower != upper:
+        return "'multipleOf' with only a lower or only an upper bound"
     return None

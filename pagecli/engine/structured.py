@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from pagecli.config.structured import StructuredSpec
-from pagecli.engine.schema_keywords import refuse_unenforced_keywords
+from pagecli.engine.grammar_limits import compile_bounded, refuse_oversized, regex_problem
+from pagecli.engine.schema_keywords import refuse_unenforced_keywords, schema_regexes
 from pagecli.errors import RequestError
 
 _COMPILED_CACHE_SIZE = 64  # distinct specs kept compiled per engine (a server sees a few schemas, repeatedly)
@@ -122,19 +123,25 @@ class GrammarCompiler:
                                "or a loop of $defs with no end?)")
 
     def _compile_uncached(self, spec: StructuredSpec) -> Any:
+        """The compiled grammar of spec, within the limits of engine/grammar_limits.py."""
         try:
             if spec.kind == "json_schema":
                 return self._compile_schema(spec.value)  # type: ignore[arg-type]
             if spec.kind == "json_object":
-                return self._compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, strict_mode=False,
-                                                          max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+                return compile_bounded(spec.kind, lambda: self._compiler.compile_json_schema(
+                    _ANY_OBJECT_SCHEMA, strict_mode=False, max_whitespace_cnt=_MAX_JSON_WHITESPACE))
             if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.value)
+                _refuse_regex_problem(spec.value)  # type: ignore[arg-type]
+                refuse_oversized(spec.kind, spec.value, [spec.value])  # type: ignore[list-item]
+                return compile_bounded(spec.kind, lambda: self._compiler.compile_regex(spec.value))
             if spec.kind == "choice":
-                return self._compiler.compile_grammar(_choice_ebnf(spec.value))  # type: ignore[arg-type]
+                ebnf = _choice_ebnf(spec.value)  # type: ignore[arg-type]
+                refuse_oversized(spec.kind, ebnf, [])
+                return compile_bounded(spec.kind, lambda: self._compiler.compile_grammar(ebnf))
+            refuse_oversized(spec.kind, spec.value, [spec.value])  # type: ignore[list-item]
             if spec.kind == "ebnf":
-                return self._compiler.compile_grammar(spec.value)
-            return self._compiler.compile_structural_tag(spec.value)
+                return compile_bounded(spec.kind, lambda: self._compiler.compile_grammar(spec.value))
+            return compile_bounded(spec.kind, lambda: self._compiler.compile_structural_tag(spec.value))
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for bad input
@@ -143,13 +150,26 @@ class GrammarCompiler:
     def _compile_schema(self, schema_text: str) -> Any:
         """Strict first (no properties or items the schema does not name: what a small model should not
         invent), then as JSON Schema says where strict cannot hold (minItems with no `items`)."""
-        refuse_unenforced_keywords(json.loads(schema_text))
-        try:
-            return self._compiler.compile_json_schema(schema_text, strict_mode=True,
-                                                      max_whitespace_cnt=_MAX_JSON_WHITESPACE)
-        except Exception:  # noqa: BLE001 - retried below; a schema wrong both ways reports the lenient error
-            return self._compiler.compile_json_schema(schema_text, strict_mode=False,
-                                                      max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+        schema = json.loads(schema_text)
+        refuse_unenforced_keywords(schema)
+        refuse_oversized("json_schema", schema_text, schema_regexes(schema))
+
+        def strict_then_lenient() -> Any:
+            try:
+                return self._compiler.compile_json_schema(schema_text, strict_mode=True,
+                                                          max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+            except Exception:  # noqa: BLE001 - retried; a schema wrong both ways reports the lenient error
+                return self._compiler.compile_json_schema(schema_text, strict_mode=False,
+                                                          max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+
+        return compile_bounded("json_schema", strict_then_lenient)
+
+
+def _refuse_regex_problem(regex: str) -> None:
+    problem = regex_problem(regex)
+    if problem is not None:
+        raise RequestError(f"the regex constraint uses {problem}, which constrained decoding cannot enforce; "
+                           "remove it or check it after generation")
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState],

@@ -8,14 +8,14 @@ transformers would add or re-flag, a second chat template) sends the folder back
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Mapping, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from pagecli.models.chat_template import DEFAULT_LIMITS, TemplateLimits, render_conversation
 
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _EXTRA_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
@@ -33,7 +33,6 @@ _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special"
 _MISTRAL_REGEX_TYPES = frozenset({"mistral", "mistral3", "voxtral", "ministral", "pixtral"})
 _MISTRAL_REGEX_MIN_VOCAB = 100_000
 _NO_LENGTH_LIMIT = int(1e30)  # transformers' model_max_length when the config names none
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 class PlainTokenizer:
@@ -83,19 +82,18 @@ class PlainTokenizer:
         return self.backend.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
-                            add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+                            add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None,
+                            limits: TemplateLimits = DEFAULT_LIMITS) -> str:
         """The conversation as text; raises jinja2.TemplateError where the template rejects it, and
-        ValueError without a template or messages, as transformers does."""
+        ValueError without a template or messages, as transformers does; TemplateLimitExceeded past `limits`."""
         if tokenize:
             raise ValueError("PlainTokenizer renders chat templates as text only; pass tokenize=False.")
         if not self.chat_template:
             raise ValueError("Cannot apply a chat template: this tokenizer has none.")
         if not messages:
             raise ValueError("Cannot apply a chat template to an empty conversation.")
-        template = _compiled_template(self.chat_template)
-        tools = [_plain_data(tool) for tool in tools] if tools else None  # transformers passes None for []
-        return template.render(messages=[_template_message(m) for m in messages], tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return render_conversation(self.chat_template, messages, self.special_tokens, tools=tools,
+                                   add_generation_prompt=add_generation_prompt, limits=limits)
 
 
 def load_plain_tokenizer(folder: Path) -> PlainTokenizer | None:
@@ -208,107 +206,3 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         return config.get("chat_template")
 
 
-# --- the chat template ----------------------------------------------------------------------------------
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as transformers hands it to the template: keys holding None dropped, plain data only,
-    and the reasoning (under any of its names) also under `thinking` and `reasoning_content`."""
-    message = {key: _plain_data(value) for key, value in message.items() if value is not None}
-    reasoning = next((message[key] for key in _REASONING_KEYS if key in message), None)
-    if reasoning is not None:
-        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message
-
-
-def _plain_data(value: Any) -> Any:
-    """JSON-like data rebuilt from plain types, so the template reaches no object's methods."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):  # subclasses (enums, ...) reduced to their value, their methods left behind
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain_data(key): _plain_data(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_plain_data(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_plain_data(item) for item in value)
-    return f"<{type(value).__name__}>"
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_template(source: str) -> Any:
-    return _template_environment().from_string(source)
-
-
-@functools.lru_cache(maxsize=1)
-def _template_environment() -> Any:
-    """The jinja2 environment transformers renders chat templates in: sandboxed, trim_blocks and
-    lstrip_blocks, loop controls, the {% generation %} tag, and its tojson, raise_exception,
-    strftime_now, dict and namespace. jinja2 is imported here, on the first chat prompt."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        """{% generation %}...{% endgeneration %} marks the assistant's text for training masks;
-        rendering shows its body, in a scope of its own as transformers' call block does."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """namespace() without underscore attributes, which could reach Python internals."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's own signature trick
-            self, *rest = args
-            for name in dict(*rest, **kwargs):
-                _refuse_private(name)
-            jinja2.utils.Namespace.__init__(self, *rest, **kwargs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            _refuse_private(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    def _refuse_private(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                "Please rename the attribute.")
-
-    class TemplateDict:
-        """dict() and dict.fromkeys() without the dict type itself."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any) -> dict:
-            return dict.fromkeys(*args)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        # Not jinja's own filter, which escapes HTML characters.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(date_format: str) -> str:
-        return datetime.now().strftime(date_format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=TemplateNamespace)
-    return env

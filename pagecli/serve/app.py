@@ -29,6 +29,7 @@ from pagecli.serve.request_log import RequestLog
 from pagecli.serve.responses import Shape, model_card, usage
 from pagecli.serve.validation import ApiRequest, parse_json, parse_request
 
+MAX_BODY_BYTES = 16 << 20  # a request body; the prompt inside it is bounded by the context long before
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer: logged, never sent
 
 
@@ -96,7 +97,7 @@ class _Api:
         path, job = request.url.path, None
         try:
             self._authorize(request)
-            api_request = parse_request(parse_json(await request.body()), kind, self.s.sampling)
+            api_request = parse_request(parse_json(await _bounded_body(request)), kind, self.s.sampling)
             self._check_model(api_request.model)
             job = Job(kind, api_request.prompt, api_request.sampling, Sink(asyncio.get_running_loop()))
             self.s.engine_thread.submit(job)
@@ -225,3 +226,22 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body has been read, so only that message can come)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The request's body, read only up to MAX_BODY_BYTES: a larger one is a 413 before it fills memory
+    (its prompt could not fit any model's context anyway)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _body_too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _body_too_large()
+    return bytes(body)
+
+
+def _body_too_large() -> ApiError:
+    return ApiError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt.",
+                    "request_too_large")

@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from pagecli.errors import PagecliError
+from pagecli.models.chat_template import apply_chat_template
 from pagecli.models.reasoning import prompt_opens_thinking
 from pagecli.models.tool_calls import tool_format_of
 from pagecli.serve.app import ServeState, create_app
@@ -103,8 +104,7 @@ def _opens_thinking(engine: Any, template: str | None) -> bool:
     if not template:
         return False
     try:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                                    add_generation_prompt=True)
+        text = apply_chat_template(engine.tokenizer, [{"role": "user", "content": "Hi"}])
     except Exception:  # noqa: BLE001 - a template that needs more than one user message: assume not
         return False
     return isinstance(text, str) and prompt_opens_thinking(text)

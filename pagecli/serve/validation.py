@@ -27,8 +27,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none", "auto"),
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-    "beam_width": (None, 1),  # beam search runs in `generate` only
+    "beam_width": (None, 1), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),  # beams: generate only
     "prediction": (None,),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),  # the model's own template only
 }
 
 
