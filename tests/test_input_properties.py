@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagecli.chat.session import read_session_file
-from pagecli.cli.batch_io import BadLine, BatchRequest, parse_requests
-from pagecli.cli.input_lines import read_lines
+from pagecli.batch.requests import BadLine, BatchRequest, parse_requests
+from pagecli.batch.input_lines import read_lines
 from pagecli.config.structured import StructuredSpec
 from pagecli.engine.structured import GrammarCompiler
 from pagecli.errors import PagecliError

@@ -104,9 +104,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
     the tokenizer is pagecli's PlainTokenizer or transformers' (with the template and special tokens that
     transformers' own apply_chat_template would use). Raises as transformers does (jinja2.TemplateError,
     ValueError), and TemplateLimitExceeded."""
-    from pagecli.models.tokenizer import PlainTokenizer
-
-    if isinstance(tokenizer, PlainTokenizer):
+    if getattr(tokenizer, "renders_under_limits", False):  # pagecli's PlainTokenizer (tokenizer.py, above us)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools, limits=limits)
     if not hasattr(tokenizer, "get_chat_template"):  # a stand-in with a render of its own (tests)

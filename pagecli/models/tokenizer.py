@@ -39,6 +39,8 @@ class PlainTokenizer:
     """tokenizer.json through the `tokenizers` library and the chat template through a sandboxed jinja2,
     behind the part of transformers' tokenizer interface that pagecli calls."""
 
+    renders_under_limits = True  # apply_chat_template takes `limits` (chat_template.apply_chat_template)
+
     def __init__(self, backend: Tokenizer, special_tokens: dict[str, str], chat_template: str | None,
                  model_max_length: int) -> None:
         self.backend = backend  # a tokenizers.Tokenizer without padding or truncation
