@@ -28,9 +28,12 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error"}
 _READ = {"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-         "tools", "tool_choice"}
-_HARMLESS: dict[str, tuple[Any, ...]] = {"metadata": (), "service_tier": (None, "auto", "standard_only"),
-                                         "thinking": (None, {"type": "disabled"})}
+         "tools", "tool_choice", "output_config"}
+_HARMLESS: dict[str, tuple[Any, ...]] = {  # an empty tuple: any value (it changes nothing about the output)
+    "metadata": (), "service_tier": (None, "auto", "standard_only"), "thinking": (None, {"type": "disabled"}),
+    "cache_control": (),  # prefix caching is automatic here: every prompt's full blocks are cached
+    "inference_geo": (), "user_profile_id": (), "workspace_id": (), "speed": (None, "standard"),
+}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -94,11 +97,12 @@ class MessagesApi:
         chat = {"model": model, "messages": _system(body.get("system")) + chat_messages(body.get("messages")),
                 "stream": body.get("stream"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                 "top_k": body.get("top_k"), "max_tokens": None if self.counting else body["max_tokens"],
-                "stop": list(self.stop_sequences) or None, **_tools(body.get("tools"), body.get("tool_choice"))}
+                "stop": list(self.stop_sequences) or None, "response_format": _output_format(body.get("output_config")),
+                **_tools(body.get("tools"), body.get("tool_choice"))}
         try:
             request = parse_request({k: v for k, v in chat.items() if v is not None}, "chat", self.s.sampling)
         except ApiError as error:
-            raise renamed(error, {"stop": "stop_sequences"}) from None
+            raise renamed(error, {"stop": "stop_sequences", "response_format": "output_config.format"}) from None
         self.rules = reply_rules(self.s, request)
         return request
 
@@ -335,6 +339,25 @@ def _blocks_as_messages(role: str, blocks: list[Any], where: str) -> list[dict[s
     if role == "assistant":
         return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _output_format(config: Any) -> dict[str, Any] | None:
+    """`output_config.format` (a JSON schema) as OpenAI's response_format; an `effort` is refused."""
+    if config is None:
+        return None
+    if not isinstance(config, dict) or set(config) - {"format", "effort"}:
+        raise bad_request("'output_config' must be an object with 'format' (and no other field here).",
+                          param="output_config")
+    if config.get("effort") is not None:
+        raise bad_request("'output_config.effort' is not supported by this server; leave it out.",
+                          param="output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}.",
+                          param="output_config")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _tools(tools: Any, choice: Any) -> dict[str, Any]:

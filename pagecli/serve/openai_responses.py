@@ -28,7 +28,8 @@ from pagecli.serve.validation import ApiRequest, parse_request
 
 # Fields read here, and fields accepted with the values that ask for nothing this server lacks.
 _READ = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
-         "tool_choice", "parallel_tool_calls", "previous_response_id", "store"}
+         "tool_choice", "parallel_tool_calls", "previous_response_id", "store",
+         "seed", "top_k"}  # the last two: pagecli's own, as in its Chat Completions
 _HARMLESS: dict[str, tuple[Any, ...]] = {
     "metadata": (), "user": (), "safety_identifier": (), "prompt_cache_key": (), "stream_options": (),
     "service_tier": (None, "auto", "default"), "truncation": (None, "disabled"), "background": (None, False),
@@ -82,6 +83,7 @@ class ResponsesApi:
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + self.conversation
         chat = {"messages": messages, "stream": body.get("stream"),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "top_k": body.get("top_k"), "seed": body.get("seed"),
                 "max_tokens": _max_output_tokens(body.get("max_output_tokens")),
                 "parallel_tool_calls": body.get("parallel_tool_calls"),
                 "response_format": _response_format(body.get("text")),
