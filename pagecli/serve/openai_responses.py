@@ -81,7 +81,7 @@ class ResponsesApi:
         self.conversation = history + input_messages(body.get("input"))
         instructions = _string_or_none(body, "instructions")
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + self.conversation
-        chat = {"messages": messages, "stream": body.get("stream"),
+        chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
                 "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                 "top_k": body.get("top_k"), "seed": body.get("seed"),
                 "max_tokens": _max_output_tokens(body.get("max_output_tokens")),
