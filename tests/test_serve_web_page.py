@@ -21,6 +21,8 @@ LONG = "Tell me how a paged KV cache keeps the prefix of a conversation in block
 @pytest.fixture(scope="module")
 def browser():
     if not os.path.exists(CHROMIUM):
+        if os.environ.get("PAGECLI_REQUIRE_CHROMIUM"):  # CI: install.sh --dev must have installed it
+            pytest.fail(f"chromium is not at {CHROMIUM}, and PAGECLI_REQUIRE_CHROMIUM is set")
         pytest.skip("Debian's chromium is not installed (apt-get install chromium; ./install.sh --dev installs it)")
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[dev])")
     with playwright.sync_playwright() as driver:
