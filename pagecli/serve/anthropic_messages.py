@@ -157,7 +157,9 @@ class MessagesApi:
             return _STOP_REASONS.get(finish_reason, "end_turn"), None
         if len(self.stop_sequences) == 1:
             return "stop_sequence", self.stop_sequences[0]
-        text = engine.tokenizer.decode(list(token_ids))  # the reply before the engine cut it at the stop
+        # The reply as the engine saw it before cutting it at the stop. Decoding reads the tokenizer's immutable
+        # vocabulary only (tokenizers' Rust Tokenizer), nothing the engine thread changes.
+        text = engine.tokenizer.decode(list(token_ids))
         found = [(text.find(s), s) for s in self.stop_sequences if s in text]
         return "stop_sequence", min(found)[1] if found else self.stop_sequences[0]
 

@@ -44,13 +44,15 @@ def routes(state: Any, path: RequestPath) -> list[Route]:
         return await path.answer(request, ResponsesApi(state))
 
     async def retrieve(request: Request) -> Response:
+        endpoint = "/v1/responses/{response_id}"
         try:
             path.authorize(request)
             stored = state.stored.get(request.path_params["response_id"])
             if stored is None:
                 raise _not_found(request.path_params["response_id"], param=None)
         except ApiError as error:
-            return path.refused(request.url.path, error, method="GET")
+            return path.refused(request.url.path, error, method="GET", endpoint=endpoint)
+        path.answered(request.url.path, 200, None, method="GET", endpoint=endpoint)
         return JSONResponse(stored.body)
 
     return [Route("/v1/responses", create, methods=["POST"]),

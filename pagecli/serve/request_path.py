@@ -27,16 +27,18 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer: 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is a 413, read no further
 
 
-class Translation(Protocol):
+class ErrorShape(Protocol):
+    def error_response(self, error: ApiError) -> Response:
+        """The error in this API's own shape."""
+
+
+class Translation(ErrorShape, Protocol):
     """One API's request and reply shapes over the common path."""
 
     media_type: str  # of a streamed reply
 
     def parse(self, body: dict[str, Any]) -> ApiRequest:
         """The request in common terms; ApiError (4xx) for any mistake in it."""
-
-    def error_response(self, error: ApiError) -> Response:
-        """The error in this API's own shape."""
 
     async def complete(self, job: Job) -> Response:
         """The whole reply, once the job has finished (reads the job's sink; raises a Rejected job's error)."""
@@ -158,10 +160,9 @@ class RequestPath:
             raise ApiError(404, f"The model '{model}' is not served here; this server serves "
                                 f"'{self.s.model_ids[0]}' (GET /v1/models).", "model_not_found", param="model")
 
-    async def start(self, api_request: ApiRequest, kind: str | None = None) -> Job:
+    async def start(self, api_request: ApiRequest) -> Job:
         """The request's job, admitted by the engine thread (its prompt tokenized and within limits)."""
-        job = Job(kind or api_request.kind, api_request.prompt, api_request.sampling,
-                  Sink(asyncio.get_running_loop()))
+        job = Job(api_request.kind, api_request.prompt, api_request.sampling, Sink(asyncio.get_running_loop()))
         self.s.engine_thread.submit(job)
         message = await job.sink.get()
         if isinstance(message, Rejected):
@@ -195,7 +196,8 @@ class RequestPath:
         try:
             try:
                 async for chunk in api.stream(job):
-                    yield chunk
+                    if chunk:  # a batch of engine messages that added nothing to send
+                        yield chunk
             except ApiError as failure:
                 status, error = failure.status, failure.message
                 yield api.stream_error(failure)
@@ -206,14 +208,16 @@ class RequestPath:
                 status, error = CLIENT_CLOSED, "the client disconnected; request cancelled"
             self.answered(path, status, job, error)
 
-    def refused(self, path: str, error: ApiError, api: Translation | None = None, job: Job | None = None,
-                method: str = "POST") -> Response:
-        self.answered(path, error.status, job, error.message, method)
+    def refused(self, path: str, error: ApiError, api: ErrorShape | None = None, job: Job | None = None,
+                method: str = "POST", endpoint: str | None = None) -> Response:
+        self.answered(path, error.status, job, error.message, method, endpoint)
         return api.error_response(error) if api is not None else error.response()
 
     def answered(self, path: str, status: int, job: Job | None, error: str | None = None,
-                 method: str = "POST") -> None:
-        self.s.metrics.answered(path, status)
+                 method: str = "POST", endpoint: str | None = None) -> None:
+        """Counted under `endpoint` (a route with a parameter: its template, so /metrics keeps few series),
+        logged under the path."""
+        self.s.metrics.answered(endpoint or path, status)
         self.s.log.answered(method, path, status, job, error)
 
 
