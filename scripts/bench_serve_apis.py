@@ -4,13 +4,14 @@ Chat Completions alone: every request must be answered (200, the full max_tokens
 tokens/s of the two passes are compared.
 
     .venv/bin/python scripts/bench_serve_apis.py [--clients 64] [--requests 256] [--max-tokens 32] [--reps 3]
-        [--model FOLDER] [--threads N] [--url URL] [--json FILE]
+        [--model FOLDER] [--threads N] [--url URL] [--passes mixed,chat] [--json FILE]
 
 The server is started here (`pagecli serve --ignore-eos --no-disk-cache`, serve_peers.start_pagecli), so
 every request runs exactly --max-tokens greedy tokens; --url drives one started elsewhere with --ignore-eos.
 A repetition runs the mixed pass and the Chat-Completions-only pass, alternating which goes first, each on
 prompts of its own (no pass finds another's prompts in the prefix cache). One JSON row per pass goes to stdout,
-then the medians with [min-max] and the ratio mixed / chat.
+then the medians with [min-max] and the ratio mixed / chat. `--passes chat` runs Chat Completions alone (a
+server without the other APIs, for a before/after).
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model folder (default: the embedded one)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--url", default=None, help="a running `pagecli serve --ignore-eos` instead of starting one")
+    parser.add_argument("--passes", default="mixed,chat", help="which passes: mixed, chat or both")
     parser.add_argument("--json", default=None, help="write the rows here")
     return parser.parse_args()
 
@@ -192,11 +194,12 @@ def main() -> None:
         process, url = start_pagecli(args.model, "auto", args.threads, ["--no-disk-cache"])
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_pass(url, model, asks(4, 999, True), 4, 4))  # warm-up, untimed
+        passes = args.passes.split(",")
+        asyncio.run(run_pass(url, model, asks(4, 999, "mixed" in passes), 4, 4))  # warm-up, untimed
         rows = []
         for rep in range(args.reps):
             order = ("mixed", "chat") if rep % 2 == 0 else ("chat", "mixed")
-            for name in order:
+            for name in (name for name in order if name in passes):
                 seed = 2 * rep + (name == "mixed")
                 requests = asks(args.requests, seed, mixed=name == "mixed")
                 answers, elapsed_s = asyncio.run(run_pass(url, model, requests, args.clients, args.max_tokens))
@@ -212,10 +215,13 @@ def main() -> None:
     chat = [r["output_tok_per_s"] for r in rows if r["pass"] == "chat"]
     failed = sum(r["failed"] for r in rows)
     print(f"{args.clients} clients, {args.requests} requests a pass, {args.max_tokens} tokens each, {args.reps} reps")
-    print(f"  four APIs mixed        {spread(mixed)} output tok/s")
-    print(f"  Chat Completions alone {spread(chat)} output tok/s")
-    print(f"  mixed / chat           {statistics.median(mixed) / statistics.median(chat):.3f}  "
-          f"(failed requests: {failed})")
+    if mixed:
+        print(f"  four APIs mixed        {spread(mixed)} output tok/s")
+    if chat:
+        print(f"  Chat Completions alone {spread(chat)} output tok/s")
+    if mixed and chat:
+        print(f"  mixed / chat           {statistics.median(mixed) / statistics.median(chat):.3f}")
+    print(f"  failed requests        {failed}")
     if failed:
         raise SystemExit(1)
 
