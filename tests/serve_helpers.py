@@ -138,3 +138,18 @@ def server(tiny_llama):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+ROOMY_CONTEXT = dict(max_position_embeddings=4096)  # tool prompts and a random model's whitespace-rich JSON fit
+ROOMY_BLOCKS = 320
+
+
+@contextmanager
+def roomy_server(tiny_model_factory, **options: Any) -> Iterator[RunningServer]:
+    """A server on a tiny llama with a 4,096-token context (the default tiny model has 512)."""
+    threads = torch.get_num_threads()
+    model = tiny_model_factory("llama", **ROOMY_CONTEXT)
+    with running_server(model, num_blocks=ROOMY_BLOCKS, **options) as running:
+        yield running
+        checked_idle(running)
+    torch.set_num_threads(threads)

@@ -1,4 +1,5 @@
-"""`pagecli serve`: the OpenAI-compatible HTTP server on one engine, with the pool view on a terminal."""
+"""`pagecli serve`: the HTTP server (OpenAI's, Anthropic's and Ollama's APIs, a web page) on one engine, with the
+pool view on a terminal."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ HostOpt = Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.
 PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).")]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", envvar="PAGECLI_API_KEY", show_default=False,
-    help="Require 'Authorization: Bearer KEY' on /v1 requests (or set PAGECLI_API_KEY).")]
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on API requests (or set PAGECLI_API_KEY).")]
 MaxPendingOpt = Annotated[int, typer.Option(
     "--max-pending", metavar="N", help="Most sequences queued or running at once; more are answered 429.")]
 GraceOpt = Annotated[float, typer.Option(
@@ -38,7 +39,8 @@ def serve(
     max_pending: MaxPendingOpt = 256, grace: GraceOpt = 30.0, screen: ScreenOpt = None,
     reasoning_format: ReasoningOpt = "separate",
 ) -> None:
-    """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    """Serve the model over OpenAI's APIs (/v1/chat/completions, /v1/completions, /v1/responses), Anthropic's
+    (/v1/messages) and Ollama's (/api/*), with a chat page and the live block pool at /."""
     from pagecli.serve.server import ServeOptions, run_server
 
     if model_arg and flags.model and model_arg != flags.model:

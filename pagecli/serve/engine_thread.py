@@ -27,9 +27,8 @@ from pagecli.serve.jobs import Accepted, CandidateEvent, Job, JobObserver, Rejec
 log = logging.getLogger("pagecli.serve")
 _IDLE_POLL_S = 0.1
 _STATS_INTERVAL_S = 0.1
-_SUBMIT, _CANCEL, _STOP = "submit", "cancel", "stop"
-
-
+_SUBMIT, _CANCEL, _STOP, _COUNT = "submit", "cancel", "stop", "count"
+_WATCH_S = 5.0  # after a pool-state request, how long snapshots keep each block's state (for the map)
 
 
 T = TypeVar("T")
@@ -93,6 +92,7 @@ class EngineThread:
         self._lock = threading.Lock()
         self._accepting = True
         self._last_stats_s = 0.0
+        self._watched_until_s = 0.0
         self._home = home
         self._thread: threading.Thread | None = None  # the home's thread, once start() hands it the loop
 
@@ -115,6 +115,15 @@ class EngineThread:
     def cancel(self, job: Job) -> None:
         """Abort whatever of the job still runs (its client went away); its blocks are freed."""
         self._inbox.put((_CANCEL, job))
+
+    def count_tokens(self, job: Job) -> None:
+        """Tokenize the job's prompt without running it: its sink gets Accepted(prompt tokens) or Rejected."""
+        self._inbox.put((_COUNT, job))
+
+    def watch_blocks(self) -> None:
+        """Someone draws the pool map: the next snapshots carry each block's state (a pass over the pool
+        that nobody pays for while nobody watches)."""
+        self._watched_until_s = time.monotonic() + _WATCH_S
 
     @property
     def pending(self) -> int:
@@ -175,6 +184,8 @@ class EngineThread:
                 return False
             if kind == _SUBMIT:
                 self._admit(job)
+            elif kind == _COUNT:
+                self._count(job)
             else:
                 self._cancel(job, None)
             try:
@@ -202,6 +213,17 @@ class EngineThread:
         for observer in self.observers:
             observer.admitted(job)
         job.sink.put(Accepted(len(token_ids)))
+
+    def _count(self, job: Job) -> None:
+        try:
+            job.sink.put(Accepted(len(self.engine.encode(job.prompt))))
+        except errors.ApiError as error:
+            job.sink.put(Rejected(error))
+        except Exception as exc:  # noqa: BLE001 - request_failure sorts the request's fault from a bug
+            message = request_failure(exc)
+            if message is None:
+                log.exception("counting the tokens of %s failed", job.job_id)
+            job.sink.put(Rejected(errors.bad_request(message) if message else errors.server_error()))
 
     def _prompt_ids(self, job: Job) -> list[int]:
         token_ids = self.engine.encode(job.prompt)
@@ -275,7 +297,8 @@ class EngineThread:
     def _publish_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_stats_s >= _STATS_INTERVAL_S or not self.engine.has_unfinished:
-            self.snapshot = self.engine.stats(include_block_states=self.block_states)
+            with_states = self.block_states or now < self._watched_until_s
+            self.snapshot = self.engine.stats(include_block_states=with_states)
             self._last_stats_s = now
             for warning in self.engine.take_warnings() if self.on_warning else ():
                 self.on_warning(f"Warning: {warning}")

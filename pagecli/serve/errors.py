@@ -53,3 +53,12 @@ def shutting_down() -> ApiError:
 def server_error() -> ApiError:
     return ApiError(500, "The server failed while running this request; see the server's log.", "server_error",
                     type="server_error")
+
+
+def renamed(error: ApiError, names: dict[str, str]) -> ApiError:
+    """A request error in another API's field names: each quoted name (and the param) replaced."""
+    message = error.message
+    for old, new in names.items():
+        message = message.replace(f"'{old}'", f"'{new}'")
+    param = names.get(error.param or "", error.param)
+    return ApiError(error.status, message, error.code, error.type, param, error.headers)

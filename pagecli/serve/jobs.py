@@ -73,6 +73,7 @@ class Job:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of candidate replies read for reasoning, once they have finished
     first_token_s: float | None = None
     finished_s: float | None = None
     last_token_s: dict[int, float] = field(default_factory=dict)

@@ -23,6 +23,8 @@ from pagecli.models.tool_calls import tool_format_of
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.engine_thread import EngineHome, EngineThread
 from pagecli.serve.metrics import ServerMetrics
+from pagecli.serve.ollama_api import ModelFacts
+from pagecli.serve.pool_view import RecentTurns
 from pagecli.serve.request_log import RequestLog
 from pagecli.ui.progress import load_summary, say
 
@@ -91,12 +93,14 @@ def build_state(engine: Any, settings: Any, options: ServeOptions, request_log: 
     and everything the routes need."""
     thread: EngineThread | None = None
     metrics = ServerMetrics(lambda: thread.snapshot)  # type: ignore[union-attr]
-    thread = EngineThread(engine, options.max_pending, [metrics], block_states=block_states,
+    recent = RecentTurns()
+    thread = EngineThread(engine, options.max_pending, [metrics, recent], block_states=block_states,
                           on_warning=request_log.note, home=home)
     template = getattr(engine, "chat_template", None)
     return ServeState(thread, model_ids(engine), options.api_key, settings.sampling, metrics,
                       request_log, int(time.time()), reasoning=options.reasoning_format == "separate",
-                      opens_thinking=_opens_thinking(engine, template), tool_format=tool_format_of(template))
+                      opens_thinking=_opens_thinking(engine, template), tool_format=tool_format_of(template),
+                      recent=recent, facts=ModelFacts.of(engine))
 
 
 def _opens_thinking(engine: Any, template: str | None) -> bool:
@@ -156,7 +160,8 @@ def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen
                             timeout_graceful_shutdown=max(1, int(options.grace_s)))
     server = _Server(config, state.engine_thread, state.log, options.grace_s)
     state.engine_thread.start()
-    say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops it)")
+    say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops it); the web page is "
+        f"http://{host}:{port}/")
     try:
         with _signals_end_quietly(), screen or nullcontext():
             server.run(sockets=[sock])

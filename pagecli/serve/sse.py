@@ -11,7 +11,7 @@ from starlette.responses import StreamingResponse
 
 from pagecli.serve.chat_output import ReplyRules, ReplyStream
 from pagecli.serve.engine_thread import EngineThread
-from pagecli.serve.jobs import Job, Rejected
+from pagecli.serve.jobs import Job
 from pagecli.serve.responses import Shape
 
 DONE = b"data: [DONE]\n\n"
@@ -24,13 +24,11 @@ def event(data: dict[str, Any]) -> bytes:
 
 
 class StreamProgress:
-    """Which candidates of a streamed job have started and how many are left; an error ends the stream."""
+    """Which candidates of a streamed job have started and how many are left."""
 
     def __init__(self, n: int, rules: ReplyRules | None = None) -> None:
         self.left = n
         self.started: set[int] = set()
-        self.status = 200
-        self.error: str | None = None
         # Chat replies read for reasoning or tool calls: one reader per candidate.
         self.replies = None if rules is None or rules.plain else [ReplyStream(rules) for _ in range(n)]
 
@@ -41,12 +39,7 @@ class StreamProgress:
         return sum(reply.reasoning_tokens for reply in self.replies)
 
     def events(self, message: Any, shape: Shape) -> bytes:
-        """The SSE events for one message from the engine thread (none after an error)."""
-        if self.error is not None:
-            return b""
-        if isinstance(message, Rejected):
-            self.status, self.error = message.error.status, message.error.message
-            return event(message.error.body())
+        """The SSE events for one candidate event from the engine thread."""
         index, update = message.index, message.event
         if self.replies is not None:
             return self._read_events(index, update, shape)
@@ -79,11 +72,13 @@ class StreamProgress:
 
 
 class JobStream(StreamingResponse):
-    """The SSE response of one job. However it ends (a client gone before the first chunk included, when
-    the body generator never starts), whatever of the job still runs is cancelled."""
+    """The streamed response of one job (SSE, or NDJSON for Ollama). However it ends (a client gone before
+    the first chunk included, when the body generator never starts), whatever of the job still runs is
+    cancelled."""
 
-    def __init__(self, body: AsyncIterator[bytes], engine_thread: EngineThread, job: Job) -> None:
-        super().__init__(body, media_type=MEDIA_TYPE, headers=HEADERS)
+    def __init__(self, body: AsyncIterator[bytes], engine_thread: EngineThread, job: Job,
+                 media_type: str = MEDIA_TYPE) -> None:
+        super().__init__(body, media_type=media_type, headers=HEADERS)
         self._engine_thread = engine_thread
         self._job = job
 
