@@ -170,7 +170,8 @@ def _triton_ptxas() -> Path | None:
 # --- CPU and native kernels ----------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else the platform's processor or machine)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -191,7 +192,7 @@ def _cpu() -> list[Finding]:
     if absent:
         flags_text += f"  (absent: {' '.join(absent)})"
     findings = [
-        Finding("cpu", "model", f"{_cpu_model()}, {os.cpu_count()} logical cores"),
+        Finding("cpu", "model", f"{cpu_model()}, {os.cpu_count()} logical cores"),
         Finding("cpu", "flags", flags_text),
         _amx_finding(flags),
     ]

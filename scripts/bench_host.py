@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from make_shape_models import make_model  # noqa: E402
 from pagecli.config import EngineConfig, SamplingParams  # noqa: E402
 from pagecli.config.structured import StructuredSpec  # noqa: E402
 from pagecli.engine import Engine  # noqa: E402
+from pagecli.doctor import cpu_model  # noqa: E402
 from pagecli.engine import engine as engine_module  # noqa: E402
 
 PARTS = ("schedule", "inputs", "layers", "logits", "sample", "tokens", "other", "stats")
@@ -124,16 +124,6 @@ def run_case(folder: Path, seqs: int, sampling: SamplingParams, prefix_caching: 
             **{part: statistics.median(values) for part, values in per_step.items()}}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="1,64,256", help="comma-separated running sequences per case")
@@ -158,7 +148,7 @@ def main() -> None:
         cases.append(("greedy, JSON schema", seqs,
                       SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True,
                                      structured=StructuredSpec.json_schema(SCHEMA)), True))
-    print(f"CPU: {cpu_name()}; pagecli.native level {native.level()}; {args.threads} thread(s); host-probe model; "
+    print(f"CPU: {cpu_model()}; pagecli.native level {native.level()}; {args.threads} thread(s); host-probe model; "
           f"medians of {args.steps} steady decode steps, ms per step")
     header = f"{'case':34} {'seqs':>5} {'step':>7} {'host':>7} " + " ".join(f"{p:>8}" for p in PARTS)
     print(header)
@@ -169,7 +159,7 @@ def main() -> None:
         print(f"{name:34} {row['running']:>5.0f} {row['step_ms']:>7.2f} {row['host_ms']:>7.2f} "
               + " ".join(f"{row[p]:>8.2f}" for p in PARTS), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagecli.serve import sse
-from pagecli.serve.chat_output import ReplyRules
+from pagecli.serve.chat_output import ReplyRules, message_deltas
 from pagecli.serve.errors import ApiError, bad_request, renamed
 from pagecli.serve.jobs import Accepted, Job, Rejected, Sink
 from pagecli.serve.request_path import CLIENT_CLOSED, RequestPath, read_body, reply_pieces, reply_rules, whole_reply
@@ -113,7 +113,7 @@ class MessagesApi:
     async def complete(self, job: Job) -> Response:
         reply = await whole_reply(job, self.rules)
         blocks = _Blocks()
-        blocks.feed(_deltas_of(reply.message))
+        blocks.feed(message_deltas(reply.message))
         blocks.close()
         reason, stop_sequence = self._stop(reply.finish_reason, reply.token_ids)
         body = {**self._head(job), "content": blocks.blocks, "stop_reason": reason, "stop_sequence": stop_sequence,
@@ -237,17 +237,6 @@ def _object_or_empty(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _deltas_of(message: dict[str, Any]) -> list[dict[str, Any]]:
-    deltas: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        deltas.append({"reasoning_content": message["reasoning_content"]})
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    for index, call in enumerate(message.get("tool_calls") or ()):
-        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "function": dict(call["function"])}]})
-    return deltas
 
 
 # --- reading the request ------------------------------------------------------------------------

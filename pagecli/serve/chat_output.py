@@ -116,3 +116,17 @@ def whole_reply(rules: ReplyRules, text: str, finish_reason: str, num_tokens: in
     deltas = stream.feed(text, num_tokens)
     rest, reason = stream.finish(finish_reason)
     return message_of(deltas + rest), reason, stream.reasoning_tokens
+
+
+def message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole chat message (as the non-streaming reply has it) as the deltas a stream would have fed: the
+    translations that build their own blocks from deltas (Responses, Anthropic) read both the same way."""
+    deltas: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": dict(call["function"])}]})
+    return deltas

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagecli.serve import sse
-from pagecli.serve.chat_output import ReplyRules
+from pagecli.serve.chat_output import ReplyRules, message_deltas
 from pagecli.serve.errors import ApiError, bad_request, renamed
 from pagecli.serve.jobs import Job
 from pagecli.serve.request_path import RequestPath, reply_pieces, reply_rules, whole_reply
@@ -104,7 +104,7 @@ class ResponsesApi:
     async def complete(self, job: Job) -> Response:
         reply = await whole_reply(job, self.rules)
         output = _Output()
-        output.feed(_deltas_of(reply.message))
+        output.feed(message_deltas(reply.message))
         output.close()
         return JSONResponse(self._finished(job, output, reply.finish_reason))
 
@@ -264,19 +264,6 @@ def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
     if item["type"] == "message":
         started["content"] = []
     return started
-
-
-def _deltas_of(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole message as the deltas a stream would have fed."""
-    deltas: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        deltas.append({"reasoning_content": message["reasoning_content"]})
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    for index, call in enumerate(message.get("tool_calls") or ()):
-        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                       "function": dict(call["function"])}]})
-    return deltas
 
 
 def _id(prefix: str) -> str:
