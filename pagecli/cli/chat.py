@@ -38,6 +38,12 @@ JsonlOpt = Annotated[bool, typer.Option(
 NoTruncateOpt = Annotated[bool, typer.Option(
     "--no-truncate", help="When the conversation outgrows max_model_len, refuse the message instead of "
                           "dropping the oldest turns.")]
+ServerOpt = Annotated[Optional[str], typer.Option(
+    "--server", metavar="URL", help="Chat through a running `pagecli serve` at URL (e.g. http://127.0.0.1:8000): no "
+                                    "model loads here; replies stream from the server and the pool panel shows its "
+                                    "pool. Engine flags are the server's; sampling flags apply.")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", metavar="KEY", envvar="PAGECLI_API_KEY", help="The server's --api-key (with --server).")]
 NoPoolOpt = Annotated[bool, typer.Option("--no-pool", help="Start with the block-pool panel hidden (/pool).")]
 MaxLineOpt = Annotated[int, typer.Option(
     "--max-line-bytes", min=1, metavar="BYTES",
@@ -52,6 +58,7 @@ def chat(
     system: SystemOpt = None, session: SessionOpt = None, resume: ResumeOpt = None,
     list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
     no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False, max_line_bytes: MaxLineOpt = _MAX_LINE_BYTES,
+    server: ServerOpt = None, api_key: ApiKeyOpt = None,
 ) -> None:
     """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
     from pagecli.chat import session as sessions
@@ -63,8 +70,11 @@ def chat(
         raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")
     settings = flags.settings(model=model_arg)
     o.refuse_candidates(settings, "chat")
+    if server is None and api_key is not None:
+        raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
-                    truncate=not no_truncate, pool_visible=not no_pool, max_line_bytes=max_line_bytes)
+                    truncate=not no_truncate, pool_visible=not no_pool, max_line_bytes=max_line_bytes,
+                    server=server, api_key=api_key)
     if code:
         raise typer.Exit(code)
 
@@ -81,7 +91,7 @@ def _print_sessions(listing: SessionListing) -> None:
 
 def run_chat(settings: o.RunSettings, system: str | None, session: str | None, resume: str | None,
              input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
-             max_line_bytes: int = _MAX_LINE_BYTES) -> int:
+             max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None) -> int:
     """Load the model, then chat on the screen or in plain mode; returns the exit code.
 
     A named session is locked before the model loads (a second chat on it is refused at once, naming
@@ -94,7 +104,8 @@ def run_chat(settings: o.RunSettings, system: str | None, session: str | None, r
     lock = sessions.lock_session(name) if name else None
     try:
         conversation = _starting_conversation(session, resume, system)
-        return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible, max_line_bytes)
+        return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible, max_line_bytes,
+                     server, api_key)
     finally:
         if lock is not None:
             lock.release()
@@ -117,9 +128,8 @@ def _starting_conversation(session: str | None, resume: str | None, system: str 
 
 def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None, lock: SessionLock | None,
           input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
-          max_line_bytes: int = _MAX_LINE_BYTES) -> int:
+          max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None) -> int:
     from pagecli.chat.view import ChatOptions
-    from pagecli.engine import Engine
     from pagecli.ui.progress import say
 
     source = _open_input(input_path)
@@ -127,13 +137,24 @@ def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None,
         sys.stdin.reconfigure(errors="replace")  # a stray byte in typed or piped text is not worth a failure
     plain = jsonl or input_path is not None or not (sys.stdin.isatty() and sys.stdout.isatty())
 
-    say("Loading model ...", style="dim")
-    engine = Engine(settings.model, settings.engine)
-    options = ChatOptions(truncate=truncate, session_name=name, autosave=name is not None, model_name=settings.model)
+    if server is not None:
+        from pagecli.chat.remote import RemoteChatController, ServerEngine
+
+        engine, controller_class = ServerEngine(server, api_key), RemoteChatController
+        model_name = engine.model
+    else:
+        from pagecli.chat.controller import ChatController
+        from pagecli.engine import Engine
+
+        say("Loading model ...", style="dim")
+        engine, controller_class = Engine(settings.model, settings.engine), ChatController
+        model_name = settings.model
+    options = ChatOptions(truncate=truncate, session_name=name, autosave=name is not None, model_name=model_name)
     try:
         if plain:
-            return _run_plain(engine, settings, conversation, options, lock, source, jsonl, max_line_bytes)
-        return _run_screen(engine, settings, conversation, options, lock, pool_visible)
+            return _run_plain(engine, controller_class, settings, conversation, options, lock, source, jsonl,
+                              max_line_bytes)
+        return _run_screen(engine, controller_class, settings, conversation, options, lock, pool_visible)
     finally:
         close = getattr(engine, "close", None)  # finishes the disk prefix store's pending writes
         if close is not None:
@@ -149,12 +170,12 @@ def _open_input(input_path: str | None) -> TextIO:
         raise PagecliError(f"Cannot read '{input_path}': {exc.strerror or exc}.") from exc
 
 
-def _run_plain(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
-               lock: SessionLock | None, source: TextIO, jsonl: bool, max_line_bytes: int = _MAX_LINE_BYTES) -> int:
-    from pagecli.chat.controller import ChatController
+def _run_plain(engine: Engine, controller_class: type, settings: o.RunSettings, conversation: Conversation,
+               options: ChatOptions, lock: SessionLock | None, source: TextIO, jsonl: bool,
+               max_line_bytes: int = _MAX_LINE_BYTES) -> int:
     from pagecli.chat.plain import PlainView, input_entries
 
-    controller = ChatController(engine, settings.sampling, PlainView(sys.stdout, sys.stderr, jsonl),
+    controller = controller_class(engine, settings.sampling, PlainView(sys.stdout, sys.stderr, jsonl),
                                 conversation, options, lock)
     try:
         controller.run(input_entries(source, max_line_bytes))
@@ -165,17 +186,16 @@ def _run_plain(engine: Engine, settings: o.RunSettings, conversation: Conversati
     return 1 if controller.problems else 0
 
 
-def _run_screen(engine: Engine, settings: o.RunSettings, conversation: Conversation, options: ChatOptions,
-                lock: SessionLock | None, pool_visible: bool) -> int:
-    from pagecli.chat.controller import ChatController
+def _run_screen(engine: Engine, controller_class: type, settings: o.RunSettings, conversation: Conversation,
+                options: ChatOptions, lock: SessionLock | None, pool_visible: bool) -> int:
     from pagecli.paths import data_dir
     from pagecli.ui.chat_screen import ChatScreen
 
     screen = ChatScreen(pool_visible=pool_visible, history_file=Path(data_dir()) / "chat_history")
-    screen.welcome(settings.model or _DEFAULT_MODEL_LABEL, engine.stats(), options.session_name)
+    screen.welcome(options.model_name or _DEFAULT_MODEL_LABEL, engine.stats(), options.session_name)
     if conversation.turns:
         screen.show_transcript(conversation)
-    controller = ChatController(engine, settings.sampling, screen, conversation, options, lock)
+    controller = controller_class(engine, settings.sampling, screen, conversation, options, lock)
     try:
         controller.run(screen.entries())
     finally:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+# A block's state as one letter: GET /v1/pool's block_map (pagecli/serve/pool_view.py), read back by clients.
+BLOCK_LETTERS = {"free": ".", "cached": "c", "active": "a", "shared": "s"}
+_STATE_OF_LETTER = {letter: state for state, letter in BLOCK_LETTERS.items()}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,19 @@ class EngineStats:
     def prefix_hit_rate(self) -> float:
         hits = self.prefix_hit_tokens + self.prefix_disk_hit_tokens
         return hits / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def block_map(self) -> str | None:
+        """Each block's state as one letter (BLOCK_LETTERS), in block order; None without block states."""
+        return None if self.block_states is None else "".join(BLOCK_LETTERS[s] for s in self.block_states)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], block_map: str | None = None) -> EngineStats:
+        """The snapshot that to_dict (and block_map) wrote, read back: how a client of `pagecli serve` gets
+        the engine's own stats from GET /v1/pool and draws the panel `pagecli chat` draws."""
+        names = {f.name for f in fields(cls)}
+        values = {key: value for key, value in data.items() if key in names}
+        values["block_states"] = None if block_map is None else tuple(_STATE_OF_LETTER[c] for c in block_map)
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

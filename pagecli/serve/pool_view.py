@@ -1,6 +1,6 @@
 """The pool state as JSON for GET /v1/pool: the engine's stats snapshot (the same EngineStats the terminal
 panel draws), each block's state as one letter, the requests in the engine and the last finished turns.
-The web page polls it; `engine_stats_of` rebuilds the snapshot on a client's side, so a terminal client
+The web page polls it; `EngineStats.from_dict` (engine_stats_of here) rebuilds the snapshot on a client's side, so a terminal client
 draws the very panel `pagecli chat` draws (docs/serve-api.md describes every field).
 """
 
@@ -10,15 +10,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from pagecli.engine.stats import EngineStats
+from pagecli.engine.stats import BLOCK_LETTERS, EngineStats
 from pagecli.serve.jobs import Job
 
 POOL_OBJECT = "pagecli.pool"
-STATE_LETTERS = {"free": ".", "cached": "c", "active": "a", "shared": "s"}
-_STATES_OF_LETTERS = {letter: state for state, letter in STATE_LETTERS.items()}
+STATE_LETTERS = BLOCK_LETTERS  # the letters of block_map (engine/stats.py keeps them for clients too)
 RECENT_TURNS = 16
 
 
@@ -76,7 +75,7 @@ def pool_state(model: str, stats: EngineStats, jobs: Sequence[Job], pending: int
         "object": POOL_OBJECT,
         "model": model,
         "stats": stats.to_dict(),
-        "block_map": None if stats.block_states is None else "".join(STATE_LETTERS[s] for s in stats.block_states),
+        "block_map": stats.block_map(),
         "pending": pending,
         "requests": [_request(job, now) for job in jobs],
         "turns": [turn.to_dict() for turn in turns],
@@ -94,11 +93,7 @@ def _request(job: Job, now_s: float) -> dict[str, Any]:
 
 def engine_stats_of(state: dict[str, Any]) -> EngineStats:
     """The EngineStats a /v1/pool answer carries (block states from its block_map), for a client's panel."""
-    names = {f.name for f in fields(EngineStats)}
-    values = {key: value for key, value in state["stats"].items() if key in names}
-    block_map = state.get("block_map")
-    values["block_states"] = None if block_map is None else tuple(_STATES_OF_LETTERS[c] for c in block_map)
-    return EngineStats(**values)
+    return EngineStats.from_dict(state["stats"], state.get("block_map"))
 
 
 def _rounded(value: float | None) -> float | None:
