@@ -86,3 +86,33 @@ def test_the_command_line_chats_through_the_server(tiny_llama, tmp_path, capsys)
         turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert code == 0 and [t["turn"] for t in turns] == [1, 2] and all(t["completion_tokens"] for t in turns)
     assert main(["chat", "--api-key", "k", "-i", str(messages)]) == 2  # a key without a server: a usage error
+
+
+def test_generate_sends_its_lines_to_the_server_and_writes_what_a_local_run_writes(tiny_llama, tmp_path):
+    from pagecli.cli import main
+
+    lines = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"}]},
+             {"id": "b", "prompt": "Once upon a time", "max_tokens": 5},
+             {"id": "c", "messages": [{"role": "user", "content": "Two, please"}], "n": 2, "seed": 3,
+              "temperature": 0.8},
+             {"id": "d", "prompt": "x", "temperature": -1}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    with running_server(tiny_llama) as server:
+        code = main(["generate", str(source), "-o", str(out), "--server", server.base_url, "--temperature", "0",
+                     "--max-tokens", "6", "--no-progress"])
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert code == 0 and [r["id"] for r in records] == ["a", "b", "c", "d"]
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=server.model_id, messages=lines[0]["messages"], temperature=0,
+                                              max_tokens=6)
+        assert records[0]["text"] == chat.choices[0].message.content
+        completion = client.completions.create(model=server.model_id, prompt="Once upon a time", temperature=0,
+                                               max_tokens=5)
+        assert records[1]["text"] == completion.choices[0].text and records[1]["completion_tokens"] <= 5
+        assert [c["index"] for c in records[2]["choices"]] == [0, 1]
+        assert records[3]["error"].startswith("line 4: ") and "temperature" in records[3]["error"]
+        # run again: every line is done; nothing is sent
+        assert main(["generate", str(source), "-o", str(out), "--server", server.base_url, "--temperature", "0",
+                     "--max-tokens", "6", "--no-progress"]) == 0

@@ -5,18 +5,17 @@
 generates), and one turn as a streamed POST /v1/chat/completions of the conversation's messages (the
 server's chat template and prefix cache do the rest: a follow-up prefills only its new message there).
 `RemoteChatController` is the ChatController with that turn in place of the local prompt ids: slash
-commands, sessions and both views are the same. Only the standard library speaks HTTP here.
+commands, sessions and both views are the same. HTTP: pagecli.batch.remote.ServerConnection.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pagecli.batch.remote import ServerConnection, api_fields
 from pagecli.chat.controller import ChatController
 from pagecli.chat.conversation import Conversation, Turn
 from pagecli.chat.turn import TurnResult, TurnStats
@@ -36,41 +35,14 @@ class ServerEngine:
     chat_template = None
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        models = self._get("/v1/models")
-        try:
-            self.model = models["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise PagecliError(f"{self.url} answered /v1/models without a model; is it a pagecli server?") from None
+        self.connection = ServerConnection(url, api_key)
+        self.url = self.connection.url
+        self.model = self.connection.model()
         self.max_model_len = self.stats().max_model_len
-
-    # --- HTTP ---------------------------------------------------------------------------------
-    def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        headers = {"Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers)
-        try:
-            return urllib.request.urlopen(request, timeout=_TIMEOUT_S)  # noqa: S310 - the URL the user gave
-        except urllib.error.HTTPError as exc:
-            raise PagecliError(f"{self.url}{path} answered {exc.code}: {_error_message(exc)}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise PagecliError(f"Cannot reach the pagecli server at {self.url} ({reason}); is `pagecli serve` "
-                               "running there?") from None
-
-    def _get(self, path: str) -> Any:
-        with self._request(path) as response:
-            return json.loads(response.read())
 
     # --- what the chat loop reads of an engine ------------------------------------------------
     def stats(self, include_block_states: bool = False) -> EngineStats:
-        state = self._get("/v1/pool")
+        state = self.connection.get("/v1/pool")
         return EngineStats.from_dict(state["stats"], state.get("block_map") if include_block_states else None)
 
     def check_structured(self, spec: Any) -> None:
@@ -86,10 +58,10 @@ class ServerEngine:
         """The reply's text pieces as they stream, each with None, then ("", the final chunk's usage and
         finish reason); stops reading (the server cancels) as soon as should_stop() says so."""
         body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                **_sampling_fields(sampling)}
+                **api_fields(sampling)}
         finish_reason = None
         usage: dict[str, Any] = {}
-        with self._request("/v1/chat/completions", body) as response:
+        with self.connection.open("/v1/chat/completions", body, timeout_s=_TIMEOUT_S) as response:
             for raw in response:
                 if should_stop():
                     yield "", {"finish_reason": "abort", "usage": usage}
@@ -187,39 +159,3 @@ class _LiveTurn:
         completion = usage.get("completion_tokens")
         return TurnResult("".join(self.pieces), (), end.get("finish_reason", "abort"),
                           self.stats(None if completion is None else int(completion)), self.engine.stats())
-
-
-def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
-    """The Chat Completions fields of these settings (those away from the API's own defaults, and pagecli's
-    own top_k, min_p and repetition_penalty, which its server takes)."""
-    fields: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                              "max_tokens": sampling.max_tokens}
-    if sampling.top_k:
-        fields["top_k"] = sampling.top_k
-    if sampling.min_p:
-        fields["min_p"] = sampling.min_p
-    if sampling.repetition_penalty != 1.0:
-        fields["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.presence_penalty:
-        fields["presence_penalty"] = sampling.presence_penalty
-    if sampling.frequency_penalty:
-        fields["frequency_penalty"] = sampling.frequency_penalty
-    if sampling.seed is not None:
-        fields["seed"] = sampling.seed
-    if sampling.stop:
-        fields["stop"] = list(sampling.stop)
-    if sampling.logit_bias:
-        fields["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
-    if sampling.structured is not None:
-        raise PagecliError("--json-schema and /format need the model in this process; with --server, send "
-                           "response_format to the server's API instead.")
-    return fields
-
-
-def _error_message(exc: urllib.error.HTTPError) -> str:
-    try:
-        payload = json.loads(exc.read())
-        error = payload.get("error", payload)
-        return str(error.get("message", error) if isinstance(error, dict) else error)
-    except (ValueError, OSError, AttributeError):
-        return exc.reason or "an error"

@@ -64,6 +64,12 @@ def generate(
     force_restart: Annotated[bool, typer.Option(
         "--force-restart", help="Run every line again, emptying OUTPUT first (a pagecli results file only): the "
                                 "way on when OUTPUT answers another input or other settings.")] = False,
+    server: Annotated[Optional[str], typer.Option(
+        "--server", metavar="URL", help="Send the lines to a running `pagecli serve` at URL instead of loading a "
+                                        "model here (its engine flags apply; sampling flags and the lines' own "
+                                        "fields are sent).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", metavar="KEY", envvar="PAGECLI_API_KEY", help="The server's --api-key (with --server).")] = None,
     max_line_bytes: Annotated[int, typer.Option(
         "--max-line-bytes", min=1, metavar="BYTES",
         help="Longest input line read (in UTF-8 bytes); a longer one stops the run before anything runs.")]
@@ -75,8 +81,13 @@ def generate(
     from pagecli.cli.generate import run_generate
 
     cluster = _cluster_options(ray)
+    if server is None and api_key is not None:
+        raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
+    if server is not None and cluster is not None:
+        raise PagecliError("--server sends the lines to one running server; leave out --ray.")
     code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors,
-                        cluster=cluster, force_restart=force_restart, max_line_bytes=max_line_bytes)
+                        cluster=cluster, force_restart=force_restart, max_line_bytes=max_line_bytes,
+                        server=None if server is None else (server, api_key))
     if code:
         raise typer.Exit(code)
 

@@ -24,7 +24,8 @@ from pagecli.ui.progress import GenerateProgress, load_summary, say
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
                  progress: bool | None, retry_errors: bool = False, cluster: Any = None,
-                 force_restart: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
+                 force_restart: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                 server: tuple[str, str | None] | None = None) -> int:
     """Runs every input line without a result in the output (with `retry_errors`, also those whose result
     is an error; with `force_restart`, every line, the output emptied first); the exit code: 0, 1 when every
     line run failed, 130 when interrupted. With `cluster` (pagecli.cluster.launch.ClusterOptions) the lines run
@@ -54,6 +55,8 @@ def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: 
             from pagecli.cluster.driver import run_on_cluster
 
             return run_on_cluster(settings, todo, writer, progress, cluster)
+        if server is not None:
+            return _generate_on_server(settings, todo, writer, progress, *server)
         return _generate(settings, todo, writer, progress)
 
 
@@ -89,6 +92,32 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
         engine.close()  # waits for pending disk-store writes
         for warning in engine.take_warnings():
             say(f"Warning: {warning}", style="yellow")
+
+
+def _generate_on_server(settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,
+                        progress: bool | None, url: str, api_key: str | None) -> int:
+    """The lines answered by a running `pagecli serve` (pagecli/batch/remote.py), written as a local run writes."""
+    from pagecli.batch.remote import ServerConnection, run_on_server
+
+    connection = ServerConnection(url, api_key)
+    start, tokens = time.perf_counter(), 0
+    with GenerateProgress(len(todo), progress) as bar:
+        def on_record(record: dict[str, Any]) -> None:
+            nonlocal tokens
+            tokens += record.get("completion_tokens", 0)
+            bar.update(writer.saved, tokens / max(time.perf_counter() - start, 1e-9), None)
+
+        try:
+            errors = run_on_server(connection, settings.sampling, todo, writer.save, on_record)
+        except KeyboardInterrupt:
+            say(f"Interrupted: {writer.saved} of {len(todo)} results saved; run the same command again to resume.",
+                style="yellow")
+            return 130
+    writer.finish()
+    elapsed_s = time.perf_counter() - start
+    say(f"Done: {len(todo) - errors} completions, {errors} errors; {tokens} tokens in {elapsed_s:.1f} s "
+        f"({tokens / max(elapsed_s, 1e-9):.1f} tok/s) from {connection.url}.")
+    return 1 if errors == len(todo) else 0
 
 
 def _drive(engine: Any, settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,

@@ -48,8 +48,10 @@ class GenerateProgress:
                  tb: TracebackType | None) -> None:
         self._progress.stop()
 
-    def update(self, done: int, tokens_per_s: float, stats: EngineStats) -> None:
-        self._progress.update(self._task, completed=done, rate=f"{tokens_per_s:,.1f} tok/s", pool=pool_text(stats))
+    def update(self, done: int, tokens_per_s: float, stats: EngineStats | None) -> None:
+        """stats None: no pool to show (the lines run on a server)."""
+        pool = "" if stats is None else pool_text(stats)
+        self._progress.update(self._task, completed=done, rate=f"{tokens_per_s:,.1f} tok/s", pool=pool)
 
 
 def say(message: str, style: str = "") -> None:
