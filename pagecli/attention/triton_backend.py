@@ -11,11 +11,17 @@ import torch
 
 from pagecli.attention.block_copy import copy_blocks
 from pagecli.attention.metadata import AttentionMetadata
+from pagecli.errors import PagecliError
 from pagecli.kernels import paged_decode_attention, paged_prefill_attention, store_kv
+
+
+MASKED_ATTENTION_REFUSAL = ("The triton attention backend has no attention soft-capping or sliding-window "
+                            "layers yet (Gemma 2 and 3 need them); run this model with --attention torch.")
 
 
 class TritonAttentionBackend:
     name = "triton"
+    masked_attention = False  # no soft-capping, no sliding windows: the engine refuses models that need them
 
     def store_kv(
         self,
@@ -38,7 +44,11 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if softcap is not None or window is not None:
+            raise PagecliError(MASKED_ATTENTION_REFUSAL)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_decodes = meta.num_decode_seqs
         if num_decodes > 0:

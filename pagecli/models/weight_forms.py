@@ -112,7 +112,8 @@ class WeightPlacer:
             return
         ops = self.ops
         model.linear_kernel = ops.linear if self.plan.row_kernel else None
-        model.rotary.kernel = ops.rotary_
+        for rotary in model.rotaries():
+            rotary.kernel = ops.rotary_
         for module in model.modules():
             if isinstance(module, Linear):
                 module.kernel = model.linear_kernel
@@ -120,7 +121,7 @@ class WeightPlacer:
                     self._to_panels(module, "bf16-panels")
             elif isinstance(module, RMSNorm):
                 module.kernel = ops.add_rms_norm
-            elif isinstance(module, GatedMLP):
+            elif isinstance(module, GatedMLP) and module.activation == "silu":
                 module.kernel = ops.silu_mul
         _stream_weights_from_large_pages(model, ops)
         model.decode_step = self._decode_step(model)
@@ -241,7 +242,7 @@ class WeightPlacer:
         a product runs in PyTorch (the Python loop runs it)."""
         layers = model.model.layers
         products = [_packed_products(layer) for layer in layers]
-        if not self.plan.decode_step or any(isinstance(p, (Int8Reference, Int4Reference))
+        if not self.plan.decode_step or not model.spec.llama_shaped or any(isinstance(p, (Int8Reference, Int4Reference))
                                             for layer in products for p in layer):
             return None
         spec = model.spec
