@@ -181,3 +181,15 @@ def test_longrope_positions_past_the_pretraining_length_take_the_long_factors():
         cos, sin = theirs(x, positions[None])
         torch.testing.assert_close(ours.cos[positions], cos[0])
         torch.testing.assert_close(ours.sin[positions], sin[0])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_sliding_soft_capped_layers_read_an_int8_kv_cache_widened(level, at_level, tiny_model_factory):
+    """--kv-dtype int8 on Gemma 2: the PyTorch path of its soft-capped and sliding layers widens the cache's
+    rows as the kernels do; on these weights the greedy tokens are the float cache's."""
+    at_level(level)
+    folder = tiny_model_factory("gemma2")
+    prompts = [PROMPT, "Hello world! How are you"]
+    floats = [out.token_ids for out in engine_for(folder).generate(prompts, GREEDY)]
+    int8 = [out.token_ids for out in engine_for(folder, kv_dtype="int8").generate(prompts, GREEDY)]
+    assert int8 == floats
