@@ -212,8 +212,11 @@ class WeightPlacer:
 
                 raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
                                    "loaded from a .gguf file (use int8 or int4).")
+            from pagecli.models.gguf_convert import PERMUTED_ROTARY_ARCHITECTURES
+
             self._gguf = gguf_blocks.GgufBlocks(source, model.spec.num_heads, model.spec.num_kv_heads,
-                                                model.source_folder)
+                                                model.source_folder,
+                                                model.spec.model_type in PERMUTED_ROTARY_ARCHITECTURES)
         return self._gguf
 
     def _gguf_layer(self, model: CausalLM, index: int, layer: DecoderLayer) -> None:
