@@ -36,7 +36,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata, scale: float, softcap: float | None = None, window: int | None = None,
     ) -> torch.Tensor:
         """softcap: scores -> softcap * tanh(scores / softcap); window: each query attends to its last
-        `window` positions only (None: all). A backend whose kernels lack either refuses it (PagecliError)."""
+        `window` positions only (None: all); every backend applies both."""
         ...
 
 

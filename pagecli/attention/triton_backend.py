@@ -11,17 +11,11 @@ import torch
 
 from pagecli.attention.block_copy import copy_blocks
 from pagecli.attention.metadata import AttentionMetadata
-from pagecli.errors import PagecliError
 from pagecli.kernels import paged_decode_attention, paged_prefill_attention, store_kv
-
-
-MASKED_ATTENTION_REFUSAL = ("The triton attention backend has no attention soft-capping or sliding-window "
-                            "layers yet (Gemma 2 and 3 need them); run this model with --attention torch.")
 
 
 class TritonAttentionBackend:
     name = "triton"
-    masked_attention = False  # no soft-capping, no sliding windows: the engine refuses models that need them
 
     def store_kv(
         self,
@@ -47,8 +41,6 @@ class TritonAttentionBackend:
         softcap: float | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        if softcap is not None or window is not None:
-            raise PagecliError(MASKED_ATTENTION_REFUSAL)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_decodes = meta.num_decode_seqs
         if num_decodes > 0:
@@ -60,6 +52,8 @@ class TritonAttentionBackend:
                 meta.seq_lens[:num_decodes],
                 scale,
                 out=out[:num_decodes],
+                softcap=softcap,
+                window=window,
             )
         if num_decodes < meta.num_seqs:
             # Offsets stay absolute rows of query/out, so the prefill part needs no shift.
@@ -73,5 +67,7 @@ class TritonAttentionBackend:
                 scale,
                 meta.max_query_len,
                 out=out,
+                softcap=softcap,
+                window=window,
             )
         return out

@@ -126,10 +126,6 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         spec = loaded.spec
         self.backend = select_backend(self.config.attention, loaded.device, cpu_ops)
-        if spec.masked_attention and not getattr(self.backend, "masked_attention", True):
-            raise PagecliError(f"The {self.backend.name} attention backend has no attention soft-capping or "
-                               f"sliding-window layers yet, which {spec.model_type} needs; run it with "
-                               "--attention torch.")
         # The CPU kernels' greedy and sampling entry points (None: tensor operations on the logits' device).
         self._sampling_ops = cpu_ops
         self.kv_format = resolve_kv_format(self.config.kv_dtype, loaded.dtype, spec.head_dim)
