@@ -68,7 +68,8 @@ class DecoderSpec:
 
     @property
     def masked_attention(self) -> bool:
-        """Whether some layer needs soft-capping or a sliding window, which only the PyTorch attention applies."""
+        """Whether some layer needs soft-capping or a sliding window, which pagecli.native's attention kernels and
+        its one-call decode step lack (the PyTorch path and the Triton kernels apply them)."""
         return self.attn_softcap is not None or any(window is not None for window in self.layer_windows)
 
     @property
