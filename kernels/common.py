@@ -255,6 +255,31 @@ def e4m3fn_bits(y):
 
 
 @triton.jit
+def soft_cap(scores, softcap_log2):
+    """Gemma 2's soft-capping in the log2 domain: scores are s * log2(e), softcap_log2 is cap * log2(e), and
+    the result is cap * tanh(s / cap) * log2(e). tanh from exp2 (no libdevice in the interpreter):
+    tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|). The divisions are the fast ones (an IEEE division's
+    slow path costs a stack frame: ptxas counted it as a spill on sm_80)."""
+    x = tl.fdiv(scores, softcap_log2, ieee_rounding=False)
+    a = tl.exp2(-2.8853900817779268 * tl.abs(x))  # e^-2|x| = 2^(-2 log2(e) |x|)
+    t = tl.fdiv(1.0 - a, 1.0 + a, ieee_rounding=False)
+    return tl.where(x < 0, -t, t) * softcap_log2
+
+
+@triton.jit
+def online_softmax_step_rows_may_be_empty(m_i, l_i, acc, scores, v, FP32_DOT: tl.constexpr):
+    """online_softmax_step for tiles where a row may have no visible position (a sliding window behind the
+    tile): such a row keeps m_i = -inf, l_i = 0 and acc = 0 instead of computing -inf - -inf."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(scores - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, FP32_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT: tl.constexpr):
     """Fold one tile into the running softmax: scores [M, N] in the log2 domain, masked with -inf,
     and values [N, D]; m_i [M] is the running max, l_i [M] the running sum, acc [M, D] the output.

@@ -31,6 +31,7 @@ from pagecli.kernels.common import (
     load_kv_tile,
     load_quantized_kv_tile,
     online_softmax_step,
+    soft_cap,
     tile_element_bytes,
 )
 
@@ -59,6 +60,8 @@ def _decode_kernel(
     stride_out_split,
     head_dim,
     min_split_tokens,
+    window,  # with SLIDING: the query sees its sequence's last `window` positions only
+    softcap_log2,  # with SOFTCAP: the cap times log2(e); scores become cap * tanh(score / cap)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two, for tl.dot
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -67,20 +70,27 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,
     KV_FORMAT: tl.constexpr,  # "float" (the cache's dtype), "int8" or "fp8" (common.load_quantized_kv_tile)
+    SLIDING: tl.constexpr = False,  # a sliding-window layer (Gemma): positions before the window are not read
+    SOFTCAP: tl.constexpr = False,  # soft-capped scores (Gemma 2)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0  # the first position the query sees
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
     if NUM_SPLITS == 1:
-        start = 0
+        # Tile-aligned (a window's unaligned start made ptxas spill on sm_80); positions before `first` are
+        # masked, never loaded.
+        start = first // BLOCK_N * BLOCK_N
         end = seq_len
     else:
         # Tile-aligned, at least min_split_tokens long: short contexts leave the later splits empty.
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
         split_len = tl.maximum(split_len, min_split_tokens)
-        start = split * split_len
+        start = first + split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -105,6 +115,8 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = positions < end
+        if SLIDING:
+            pos_mask = pos_mask & (positions >= first)
         if KV_FORMAT == "float":
             k, v = load_kv_tile(
                 k_cache_ptr, v_cache_ptr, table_row, positions, pos_mask, dims, dim_mask,
@@ -117,6 +129,8 @@ def _decode_kernel(
                 stride_cache_block, stride_cache_slot, head_offset, head_dim, q.dtype, BLOCK_SIZE, KV_FORMAT,
             )  # [BLOCK_N, D_PAD], [BLOCK_N], [BLOCK_N, D_PAD]
             scores = fp32_dot(q, tl.trans(k), FP32_DOT) * (k_scale * qk_scale)[None, :]  # log2 domain
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))  # each tile has a valid position
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT)
 
@@ -194,9 +208,12 @@ class DecodeTiles(NamedTuple):
     num_stages: int
 
 
-def decode_tiles(head_dim_pad: int, element_bytes: int) -> DecodeTiles:
-    """The tile every launch uses unless one is passed (scripts/gpu_tile_sweep.py times alternatives)."""
-    return DecodeTiles(kv_tile_tokens(head_dim_pad, element_bytes, most=64), num_warps=4, num_stages=2)
+def decode_tiles(head_dim_pad: int, element_bytes: int, masked: bool = False, quantized: bool = False) -> DecodeTiles:
+    """The tile every launch uses unless one is passed (scripts/gpu_tile_sweep.py times alternatives).
+    masked: a Gemma layer (soft-capping or a sliding window): over a quantized cache at head size 256 its
+    4 warps spilled 8 B on sm_90, 8 warps none (python -m pagecli.attention.aot)."""
+    num_warps = 8 if masked and quantized and head_dim_pad >= 256 else 4
+    return DecodeTiles(kv_tile_tokens(head_dim_pad, element_bytes, most=64), num_warps=num_warps, num_stages=2)
 
 
 def paged_decode_attention(
@@ -210,8 +227,11 @@ def paged_decode_attention(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim]; allocated when None
     tiles: DecodeTiles | None = None,  # None: decode_tiles' choice
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    window: int | None = None,  # the query sees its last `window` positions only
 ) -> torch.Tensor:
-    """Attention of each sequence's single new token over its first seq_len cached positions.
+    """Attention of each sequence's single new token over its first seq_len cached positions (the last
+    `window` of them for a sliding layer: the splits share those out, nothing before them is read).
 
     num_splits is the fixed number of programs per (sequence, kv head); None picks it from
     the batch shape and the GPU. Each split covers at least min_split_tokens positions.
@@ -239,7 +259,8 @@ def paged_decode_attention(
     kv_format = kv_format_of(k_cache)
     dots_in = dot_dtype(k_cache, query)
     if tiles is None:
-        tiles = decode_tiles(head_dim_pad, tile_element_bytes(k_cache))
+        tiles = decode_tiles(head_dim_pad, tile_element_bytes(k_cache), masked=window is not None or softcap is not None,
+                             quantized=kv_format != "float")
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -260,6 +281,8 @@ def paged_decode_attention(
         stride_split,
         head_dim,
         min_split_tokens,
+        window or 0,
+        (softcap or 1.0) * LOG2_E,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1],
@@ -268,6 +291,8 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         FP32_DOT=interpreting() or dots_in == torch.float32,
         KV_FORMAT=kv_format,
+        SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

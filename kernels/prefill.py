@@ -28,6 +28,8 @@ from pagecli.kernels.common import (
     load_kv_tile,
     load_quantized_kv_tile,
     online_softmax_step,
+    online_softmax_step_rows_may_be_empty,
+    soft_cap,
     tile_element_bytes,
 )
 
@@ -51,6 +53,8 @@ def _prefill_kernel(
     stride_out_token,
     stride_out_head,
     head_dim,
+    window,  # with SLIDING: a query at position p sees positions p - window + 1 .. p only
+    softcap_log2,  # with SOFTCAP: the cap times log2(e); scores become cap * tanh(score / cap)
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * GROUP padded to a power of two
@@ -59,6 +63,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     KV_FORMAT: tl.constexpr,  # "float" (the cache's dtype), "int8" or "fp8" (common.load_quantized_kv_tile)
+    SLIDING: tl.constexpr = False,  # a sliding-window layer (Gemma): tiles before every row's window are not read
+    SOFTCAP: tl.constexpr = False,  # soft-capped scores (Gemma 2)
 ):
     seq = tl.program_id(0).to(tl.int64)
     q_block = tl.program_id(1)
@@ -96,7 +102,10 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_Q)
     table_row = block_tables_ptr + seq * stride_table_seq
     head_offset = kv_head * stride_cache_head
-    for tile_start in range(0, kv_end, BLOCK_N):
+    first = 0  # the first position any row of this block sees
+    if SLIDING:
+        first = tl.maximum(prefix_len + q_block * BLOCK_Q - window + 1, 0)
+    for tile_start in range(first, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = positions < kv_end
         if KV_FORMAT == "float":
@@ -111,11 +120,21 @@ def _prefill_kernel(
                 stride_cache_block, stride_cache_slot, head_offset, head_dim, q.dtype, BLOCK_SIZE, KV_FORMAT,
             )  # [BLOCK_N, D_PAD], [BLOCK_N], [BLOCK_N, D_PAD]
             scores = fp32_dot(q, tl.trans(k), FP32_DOT) * (k_scale * qk_scale)[None, :]  # log2 domain
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         visible = (positions[None, :] <= query_pos[:, None]) & pos_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        # Position 0 is visible to every row, so each row has a finite score in the first tile.
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT)
+        if SLIDING:
+            # A row's window may begin past this tile: it then has no finite score here.
+            visible = visible & (positions[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_i, l_i, acc = online_softmax_step_rows_may_be_empty(m_i, l_i, acc, scores, v, FP32_DOT)
+        else:
+            scores = tl.where(visible, scores, float("-inf"))
+            # Position 0 is visible to every row, so each row has a finite score in the first tile.
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, FP32_DOT)
 
+    if SLIDING:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # padding rows past the query saw nothing (they are not stored)
     out = acc / l_i[:, None]
     out_offsets = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -131,9 +150,10 @@ class PrefillTiles(NamedTuple):
 
 
 def prefill_tiles(head_dim_pad: int, dots_in: torch.dtype, kv_format: str, element_bytes: int,
-                  arch: int | None) -> PrefillTiles:
+                  arch: int | None, masked: bool = False) -> PrefillTiles:
     """The tile every launch uses unless one is passed (scripts/gpu_tile_sweep.py times alternatives).
-    arch is the target's compute capability (90 for sm_90), None in the interpreter."""
+    arch is the target's compute capability (90 for sm_90), None in the interpreter; masked: a Gemma layer
+    (soft-capping or a sliding window), whose masks take registers of their own."""
     row_bytes = head_dim_pad * dots_in.itemsize
     if arch is not None and arch >= 90 and kv_format == "float" and dots_in.itemsize == 2 and head_dim_pad <= 128:
         # Hopper, 16-bit K/V up to head size 128: 64 query rows, 4 warps, K and V tiles of 16 KiB each.
@@ -149,6 +169,8 @@ def prefill_tiles(head_dim_pad: int, dots_in: torch.dtype, kv_format: str, eleme
     num_warps = 8
     if kv_format != "float" and dots_in != torch.float32 and head_dim_pad >= 256:
         num_warps = 4  # 16-bit dots over a quantized cache at head size 256 spill 24 B at 8 warps on sm_86/89
+        if masked:
+            block_m = 16  # ... and with Gemma's masks 128 B at 32 rows on sm_80 (python -m pagecli.attention.aot)
     return PrefillTiles(block_m, kv_tile_tokens(head_dim_pad, element_bytes, most=32), num_warps, num_stages=2)
 
 
@@ -163,8 +185,11 @@ def paged_prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated when None
     tiles: PrefillTiles | None = None,  # None: prefill_tiles' choice
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    window: int | None = None,  # a query sees its last `window` positions only
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves (within a
+    sliding window when given: a program reads no tile before its rows' windows).
 
     Only the query rows named by query_start_loc are written, so a caller can pass the
     offsets of the prefill part of a mixed batch together with the whole query and out.
@@ -186,7 +211,8 @@ def paged_prefill_attention(
     kv_format = kv_format_of(k_cache)
     dots_in = dot_dtype(k_cache, query)
     if tiles is None:
-        tiles = prefill_tiles(head_dim_pad, dots_in, kv_format, tile_element_bytes(k_cache), device_arch(query.device))
+        tiles = prefill_tiles(head_dim_pad, dots_in, kv_format, tile_element_bytes(k_cache), device_arch(query.device),
+                              masked=window is not None or softcap is not None)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
@@ -208,6 +234,8 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         head_dim,
+        window or 0,
+        (softcap or 1.0) * LOG2_E,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -216,6 +244,8 @@ def paged_prefill_attention(
         BLOCK_N=tiles.block_n,
         FP32_DOT=interpreting() or dots_in == torch.float32,
         KV_FORMAT=kv_format,
+        SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

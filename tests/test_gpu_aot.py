@@ -40,6 +40,9 @@ def test_every_axis_value_compiles_for_sm80_sm86_and_sm90_without_spills_within_
     assert quantized == {(k, a, f"{d}+kv-{f}") for k in ("store_kv", "decode", "prefill") for a in (80, 86, 90)
                          for d in ("bf16", "fp16", "fp32") for f in ("int8", "fp8")}
     assert all(0 < r["registers"] <= 255 and r["occupancy"] > 0 for r in report["results"])
+    # The soft-capped, sliding-window kernels (Gemma) compiled for every target too.
+    masked = {(r["kernel"], r["arch"]) for r in report["results"] if "window=1 cap=1" in r["specialization"]}
+    assert masked == {(k, a) for k in ("decode", "prefill") for a in (80, 86, 90)}
 
 
 def test_the_sample_covers_every_value_of_every_axis():
@@ -53,6 +56,11 @@ def test_the_sample_covers_every_value_of_every_axis():
     assert {c.shape.head_dim for c in cases} == {s.head_dim for s in aot.MODEL_SHAPES}
     assert {c.shape.num_heads // c.shape.num_kv_heads for c in cases} == {
         s.num_heads // s.num_kv_heads for s in aot.MODEL_SHAPES}
+    # Gemma's soft-capped, sliding layers: every dtype over a float and a quantized cache, both its head sizes.
+    masked = [c for c in cases if c.masked]
+    assert {(c.dtype, c.kv_dtype) for c in masked} == {(d, k) for d in aot.DTYPES for k in ("auto", "int8")}
+    assert {c.shape.head_dim for c in masked} == {128, 256}
+    assert all(c.shape.name.startswith("Gemma") for c in masked)
 
 
 def test_matrix_comes_from_the_backends_launches_with_tile_shapes_and_hints():

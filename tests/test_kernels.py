@@ -330,6 +330,52 @@ def test_triton_backend_step_equals_torch_backend(query_lens, num_decode_seqs):
     assert_close(triton_out, torch_out, torch.float32)
 
 
+@pytest.mark.parametrize(("softcap", "window"), [(3.0, None), (None, 5), (2.0, 21)])
+def test_triton_backend_soft_capped_and_sliding_layers_equal_the_torch_backend(softcap, window):
+    """Gemma's layers: decodes and prefill chunks after cached prefixes longer than the window (and one
+    shorter), the window smaller and larger than a K/V tile, chunks spanning several query blocks."""
+    block_size, kv_heads, group, head_dim = 4, 2, 2, 16
+    query_lens, num_decode_seqs = [1, 1, 9, 40], 2
+    prefix_lens = [30, 3, 17, 6]
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    batch = make_batch(query_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group, head_dim=head_dim)
+    tables = [row[: math.ceil(n / block_size)] for row, n in zip(batch.block_tables.tolist(), seq_lens)]
+    slots = [tables[i][pos // block_size] * block_size + pos % block_size
+             for i, (p, n) in enumerate(zip(prefix_lens, seq_lens)) for pos in range(p, n)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, num_decode_seqs, device=DEVICE)
+    query = batch.query * 3  # scores large enough that the cap bends them
+    triton_out = TritonAttentionBackend().forward(query, batch.k_cache, batch.v_cache, meta, batch.scale,
+                                                  softcap=softcap, window=window)
+    torch_out = ReferenceAttentionBackend().forward(query.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(), meta,
+                                                    batch.scale, softcap=softcap, window=window)
+    assert_close(triton_out, torch_out, torch.float32)
+    plain = ReferenceAttentionBackend().forward(query.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(), meta,
+                                                batch.scale)
+    assert not torch.allclose(plain, torch_out, atol=1e-3)  # the cap or the window changed the result
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_in_a_window_reads_no_position_before_it(num_splits):
+    """Positions before each sequence's window hold NaN: split or not, the decode kernel never loads them."""
+    block_size, window = 4, 6
+    seq_lens = [27, 5, 40]
+    batch = make_batch([1, 1, 1], seq_lens, block_size=block_size, kv_heads=2, group=2, head_dim=16)
+    tables = batch.block_tables.tolist()
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    for table, seq_len in zip(tables, seq_lens):
+        for pos in range(max(0, seq_len - window)):
+            k_cache[table[pos // block_size], pos % block_size] = float("nan")
+            v_cache[table[pos // block_size], pos % block_size] = float("nan")
+    out = paged_decode_attention(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale,
+                                 num_splits=num_splits, min_split_tokens=4, window=window, softcap=2.5)
+    meta = AttentionMetadata.build([1, 1, 1], seq_lens, [t[: math.ceil(n / block_size)] for t, n in
+                                                          zip(tables, seq_lens)], [0, 0, 0], 3, device="cpu")
+    expected = ReferenceAttentionBackend().forward(batch.query.cpu(), k_cache.cpu(), v_cache.cpu(), meta,
+                                                   batch.scale, softcap=2.5, window=window)
+    assert torch.isfinite(out).all()
+    assert_close(out, expected, torch.float32)
+
+
 # --- GPU only: sizes the interpreter would take minutes over -------------------------------------
 
 

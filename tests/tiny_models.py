@@ -62,10 +62,39 @@ def tiny_config(arch: str, **overrides):
         return Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
     if arch == "qwen3":
         return Qwen3Config(**{**common, "head_dim": 32, **overrides})
+    if arch == "gemma2":  # soft-caps small enough that tanh bends the scores; a window shorter than the prompts
+        from transformers import Gemma2Config
+
+        return Gemma2Config(**{**common, "head_dim": 16, "tie_word_embeddings": True, "sliding_window": 6,
+                               "query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+                               "final_logit_softcapping": 4.0, "pad_token_id": 0, **overrides})
+    if arch == "gemma3":  # sliding, sliding, full; the full layers' rope linearly scaled, as Gemma 3 4B's
+        from transformers import Gemma3TextConfig
+
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 3, "head_dim": 16, "tie_word_embeddings": True,
+                                   "sliding_window": 6, "query_pre_attn_scalar": 16, "rope_parameters": rope,
+                                   "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                                   "pad_token_id": 0, **overrides})
+    if arch == "phi3":  # longrope (Phi-3.5, Phi-4-mini's scaling), pretraining length 64 of 512
+        from transformers import Phi3Config
+
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 10.0, 12.0]}
+        return Phi3Config(**{**common, "original_max_position_embeddings": 64, "rope_parameters": rope,
+                             "pad_token_id": 0, **overrides})
+    if arch == "phi4":  # partial rotary (Phi-4-mini rotates 3/4 of each head), plain rope
+        from transformers import Phi3Config
+
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        return Phi3Config(**{**common, "rope_parameters": rope, "pad_token_id": 0, **overrides})
     raise ValueError(arch)
 
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+NEW_ARCHS = ("gemma2", "gemma3", "phi3", "phi4")  # issue 46's (phi4: a phi3 model with partial rotary)
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -78,6 +107,12 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
         for name, param in model.named_parameters():
             if "bias" in name:
                 param.normal_(0.0, 0.1)  # non-zero biases, so qkv bias really is tested
+            elif arch in NEW_ARCHS and "norm" in name:
+                # Gemma's norms multiply by (1 + weight), the others' by weight: around 1 either way, not
+                # exactly (ones or zeros would leave the norms' weights untested).
+                param.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
+            elif arch in NEW_ARCHS:
+                param.normal_(0.0, 0.15)  # logits spread widely enough that greedy picks are not near-ties
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder)
     return folder

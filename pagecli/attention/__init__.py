@@ -33,8 +33,11 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
-    ) -> torch.Tensor: ...
+        meta: AttentionMetadata, scale: float, softcap: float | None = None, window: int | None = None,
+    ) -> torch.Tensor:
+        """softcap: scores -> softcap * tanh(scores / softcap); window: each query attends to its last
+        `window` positions only (None: all); every backend applies both."""
+        ...
 
 
 def triton_interpreting() -> bool:

@@ -58,6 +58,10 @@ MODEL_SHAPES = (
     ModelShape("Qwen2.5-7B", 28, 4, 128),
     ModelShape("Qwen2.5-14B", 40, 8, 128),
     ModelShape("Qwen3-0.6B", 16, 8, 128),
+    ModelShape("Gemma-2-2B", 8, 4, 256),
+    ModelShape("Gemma-2-9B", 16, 8, 256),
+    ModelShape("Gemma-3-1B", 4, 1, 256),
+    ModelShape("Gemma-3-27B", 32, 16, 128),
     ModelShape("head_dim 32", 16, 16, 32),
     ModelShape("head_dim 96", 32, 32, 96),
     ModelShape("head_dim 256", 16, 8, 256),
@@ -96,12 +100,13 @@ class Case:
     num_splits: int
     layout: StepLayout = STEP_LAYOUTS[0]
     kv_dtype: str = "auto"
+    masked: bool = False  # a Gemma layer: soft-capped scores and a sliding window (the kernels' SOFTCAP, SLIDING)
 
 
 def full_matrix(layouts: tuple[StepLayout, ...] = STEP_LAYOUTS) -> list[Case]:
-    """Every combination of the axes."""
-    axes = (MODEL_SHAPES, DTYPES, BLOCK_SIZES, NUM_SPLITS, layouts, KV_DTYPES)
-    return [Case(*combo) for combo in itertools.product(*axes)]
+    """Every combination of the axes (soft-capped, sliding layers for the Gemma shapes only)."""
+    axes = (MODEL_SHAPES, DTYPES, BLOCK_SIZES, NUM_SPLITS, layouts, KV_DTYPES, (False, True))
+    return [Case(*combo) for combo in itertools.product(*axes) if not combo[-1] or combo[0].name.startswith("Gemma")]
 
 
 def covering_sample() -> list[Case]:
@@ -121,6 +126,11 @@ def covering_sample() -> list[Case]:
             group, head_dim, kv, dtype, block_size, num_splits, layout = (axis[i % len(axis)] for axis in axes)
             shape = ModelShape(f"g{group} d{head_dim} kv{kv}", group * kv, kv, head_dim)
             cases.append(Case(shape, dtype, block_size, num_splits, layout, kv_axis[i % len(kv_axis)]))
+    # Gemma's soft-capped, sliding layers: each dtype with each of their head sizes, a float and a quantized cache.
+    gemma = [shape for shape in MODEL_SHAPES if shape.name.startswith("Gemma")]
+    for i, (dtype, kv_dtype) in enumerate(itertools.product(DTYPES, ("auto", "int8"))):
+        cases.append(Case(gemma[i % len(gemma)], dtype, BLOCK_SIZES[i % len(BLOCK_SIZES)],
+                          NUM_SPLITS[i % len(NUM_SPLITS)], STEP_LAYOUTS[i % len(STEP_LAYOUTS)], kv_dtype, masked=True))
     return cases
 
 
@@ -157,7 +167,7 @@ class Specialization:
 
 _ABBREVIATIONS = {"GROUP": "g", "GROUP_PAD": "gpad", "BLOCK_SIZE": "bs", "HEAD_DIM_PAD": "d", "BLOCK_N": "n",
                   "NUM_SPLITS": "splits", "SPLITS_PAD": "spad", "FP32_DOT": "ieee", "BLOCK_Q": "q", "BLOCK_M": "m",
-                  "HEADS_PAD": "heads", "KV_FORMAT": "kv"}
+                  "HEADS_PAD": "heads", "KV_FORMAT": "kv", "SLIDING": "window", "SOFTCAP": "cap"}
 
 
 # --- the matrix: what the backend launches --------------------------------------------------------
@@ -205,7 +215,8 @@ def launches_of(case: Case) -> list[Specialization]:
     backend = TritonAttentionBackend()
     with _recording_launches() as recorded, _forced_splits(decode, case.num_splits):
         backend.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
-        backend.forward(q, kv_cache[0], kv_cache[1], meta, shape.head_dim**-0.5)
+        masked = {"softcap": 50.0, "window": 4096} if case.masked else {}
+        backend.forward(q, kv_cache[0], kv_cache[1], meta, shape.head_dim**-0.5, **masked)
     return recorded
 
 

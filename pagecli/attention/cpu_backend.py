@@ -32,8 +32,14 @@ class CpuAttentionBackend(ReferenceAttentionBackend):
         super().store_kv(key, value, k_cache, v_cache, meta)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
+        if window is not None and meta.max_seq_len <= window:
+            window = None  # every sequence of the step fits its window: the kernels' full attention is the same
+        if softcap is not None or window is not None:
+            # The compiled kernels have neither soft-capping nor a window: the PyTorch path for this layer.
+            self._sequences(out, query, k_cache, v_cache, meta, scale, 0, softcap, window)
+            return out
         if meta.num_decode_seqs < meta.num_seqs and self._prompts_as_decode_rows(query, k_cache):
             tables, lens = meta.token_rows()
             self.cpu_ops.paged_decode_attention(out, query, k_cache, v_cache, tables, lens, scale)

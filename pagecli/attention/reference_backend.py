@@ -6,6 +6,11 @@ scaled dot-product attention per sequence over the blocks its block table names.
 For decode, the query heads that share a KV head are folded into the query length
 (`[kv_heads, group, head_dim]`), which needs no mask and no K/V repeat.
 
+Soft-capping (scores -> cap * tanh(scores / cap), Gemma 2) and a sliding window (a query at position p
+attends to positions p - window + 1 .. p, Gemma's sliding layers) are applied here, for the backends
+whose kernels have neither: a windowed sequence gathers only the slots its window can reach, so nothing
+outside it is read, with any prefix cached, chunk size or block layout.
+
 A quantized cache (--kv-dtype int8/fp8, kv_format.py) is written quantized (quantize_rows) and read
 widened: the gathered rows are dequantized before PyTorch's attention. A float cache in another
 dtype than the model's (--kv-dtype float16 with a bfloat16 model, say) is widened the same way.
@@ -56,13 +61,16 @@ class ReferenceAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
-        self._sequences(out, query, k_cache, v_cache, meta, scale, first=0)
+        self._sequences(out, query, k_cache, v_cache, meta, scale, 0, softcap, window)
         return out
 
     def _sequences(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, first: int) -> None:
+                   meta: AttentionMetadata, scale: float, first: int, softcap: float | None = None,
+                   window: int | None = None) -> None:
         """Sequences first.. of the step, one SDPA call each, into out (their rows follow the first
         sequences', which take one row each: decodes come first)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -75,10 +83,17 @@ class ReferenceAttentionBackend:
             q_len, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
             q = query[start : start + q_len]
             slots = meta.context_slots(i, k_cache.shape[1])
-            # [kv_heads, seq_len, head_dim] in the query's dtype (a quantized or other-dtype cache is widened)
+            # The first position any of these queries may see: all of them, or the first one's window.
+            first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
+            slots = slots[first_key:]
+            # [kv_heads, seq_len - first_key, head_dim] in the query's dtype (a quantized or other-dtype
+            # cache is widened)
             k = dequantize_rows(flat_k.index_select(0, slots), query.dtype).transpose(0, 1)
             v = dequantize_rows(flat_v.index_select(0, slots), query.dtype).transpose(0, 1)
-            if q_len == 1:
+            if softcap is not None or (window is not None and q_len > 1):
+                o = _masked_attention(q.transpose(0, 1), k, v, seq_len, first_key, scale, softcap, window)
+                out[start : start + q_len] = o.transpose(0, 1)
+            elif q_len == 1:
                 q_folded = q.view(num_kv_heads, group, head_dim)  # [kv_heads, group, head_dim]
                 o = F.scaled_dot_product_attention(q_folded, k, v, scale=scale)
                 out[start] = o.reshape(num_heads, head_dim)
@@ -105,3 +120,31 @@ class ReferenceAttentionBackend:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True)[0]
+
+
+def _masked_attention(
+    q: torch.Tensor,  # [num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [kv_heads, num_keys, head_dim]: positions first_key .. seq_len - 1
+    v: torch.Tensor,
+    seq_len: int,
+    first_key: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of the last q_len positions, with a window and soft-capped scores: in float32, as
+    the reference implementations compute soft-capped scores. [num_heads, q_len, head_dim]"""
+    num_heads, q_len, _ = q.shape
+    group = num_heads // k.shape[0]
+    k32 = k.float().repeat_interleave(group, dim=0)  # [num_heads, num_keys, head_dim]
+    v32 = v.float().repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.float(), k32.transpose(1, 2)) * scale  # [num_heads, q_len, num_keys]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+    k_pos = torch.arange(first_key, seq_len, device=q.device).unsqueeze(0)  # [1, num_keys]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v32).to(q.dtype)

@@ -38,6 +38,8 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         num_decodes = meta.num_decode_seqs
@@ -50,6 +52,8 @@ class TritonAttentionBackend:
                 meta.seq_lens[:num_decodes],
                 scale,
                 out=out[:num_decodes],
+                softcap=softcap,
+                window=window,
             )
         if num_decodes < meta.num_seqs:
             # Offsets stay absolute rows of query/out, so the prefill part needs no shift.
@@ -63,5 +67,7 @@ class TritonAttentionBackend:
                 scale,
                 meta.max_query_len,
                 out=out,
+                softcap=softcap,
+                window=window,
             )
         return out

@@ -92,7 +92,7 @@ def _gguf_config(gguf_path: Path) -> Any:
     if (converted / source.CONVERTED_MARKER).is_file():
         return load_hf_config(converted)
     config = gguf_convert.read_gguf_config(gguf_path)
-    return SimpleNamespace(model_type="llama", **config)  # what DecoderSpec reads; no transformers import
+    return SimpleNamespace(**{"model_type": "llama", **config})  # what DecoderSpec reads; no transformers import
 
 
 def _hub_config(repo_id: str) -> Any:

@@ -1,10 +1,12 @@
-"""The lean decoder shared by Llama, Mistral, Qwen2 and Qwen3: attention runs on the paged cache.
+"""The lean decoder shared by Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3 and Phi-3: attention runs on the
+paged cache. DecoderSpec's flags say where an architecture departs from the Llama shape.
 
 The model only: how its weights are kept and which kernels run them is pagecli.models.weight_plan's
 decision, applied by weight_forms.py.
 
 Module names follow Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so
-safetensors weights load by name without a mapping table.
+safetensors weights load by name without a mapping table (Phi-3's checkpoint has qkv_proj and
+gate_up_proj already: the model is built with those).
 """
 
 from __future__ import annotations
@@ -23,23 +25,31 @@ from pagecli.models.spec import DecoderSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.scale = self.head_dim**-0.5
-        self.q_proj = Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.v_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
-        self.qk_norm = spec.qk_norm
+        self.scale = spec.attn_scale or self.head_dim**-0.5
+        self.softcap = spec.attn_softcap  # scores -> softcap * tanh(scores / softcap), None: left as they are
+        self.window = spec.layer_window(index)  # attends to the last `window` positions only, None: all
         self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.num_kv_heads * self.head_dim)
+        if spec.fused_checkpoint:
+            self.qkv_proj = Linear(spec.hidden_size, sum(self.qkv_sizes), bias=spec.qkv_bias)
+        else:
+            self.q_proj = Linear(spec.hidden_size, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+            self.k_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+            self.v_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, spec.norm_offset)
+        self.qk_norm = spec.qk_norm
 
     def fuse_projections(self) -> None:
-        """Replace q/k/v_proj (checkpoint names, used for loading) by one qkv_proj."""
+        """Replace q/k/v_proj (checkpoint names, used for loading) by one qkv_proj (there already when the
+        checkpoint has it)."""
+        if hasattr(self, "qkv_proj"):
+            return
         self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -61,19 +71,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         backend.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
-        out = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, heads, head_dim]
+        if self.softcap is None and self.window is None:
+            out = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, heads, head_dim]
+        else:
+            out = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale, softcap=self.softcap,
+                                  window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    """Holds one layer's modules; CausalLM.forward runs them (the residual adds are fused into the norms)."""
+    """Holds one layer's modules; CausalLM.forward runs them (the residual adds are fused into the norms).
+    Llama's post_attention_layernorm is the norm before the MLP; with sandwich norms (Gemma) it is the norm
+    of attention's output, and pre_feedforward_layernorm / post_feedforward_layernorm surround the MLP."""
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, index)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act,
+                            fused=spec.fused_checkpoint)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
 
     def fuse_projections(self) -> None:
         """q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj (the checkpoint's names
@@ -86,20 +106,22 @@ class DecoderBody(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, index) for index in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
 
 
 class CausalLM(nn.Module):
-    """The whole decoder. Built with checkpoint module names; load_model fuses each layer's projections."""
+    """The whole decoder. Built with checkpoint module names; load_model fuses each layer's projections.
+    local_rotary: the rope of sliding layers where it differs from the others' (Gemma 3), else None."""
 
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, local_rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.model = DecoderBody(spec)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        self.local_rotary = local_rotary
 
     # Set by pagecli.models.weight_forms, which puts the weights in the forms of the engine's WeightPlan:
     linear_kernel: LinearKernel | None = None  # bf16 products of row-layout weights on pagecli.native's kernels
@@ -112,6 +134,9 @@ class CausalLM(nn.Module):
         """The output layer's row-layout weight [vocab, hidden] (None once packed: output_packed)."""
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -121,6 +146,11 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden], the residual stream
+        if self.spec.embed_scale is not None:
+            # Gemma: sqrt(hidden_size), rounded to the model's dtype first as the reference does.
+            h = h * torch.tensor(self.spec.embed_scale, dtype=torch.float32).to(h.dtype)
+        if self.spec.sandwich_norms:
+            return self._forward_sandwich(h, positions, kv_caches, meta, backend)
         # The C++ loop stands for the torch backend with the same kernels (decodes only).
         if (self.decode_step is not None and meta.num_decode_seqs == meta.num_seqs
                 and getattr(backend, "cpu_ops", None) is not None and backend.native_decode(h, kv_caches)):
@@ -134,7 +164,24 @@ class CausalLM(nn.Module):
             delta = layer.mlp(x)
         return self.model.norm.add_and_norm(h, delta)
 
+    def _forward_sandwich(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                          meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Gemma's layers: each block's output is normed before it joins the residual stream."""
+        delta = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            rotary = self.local_rotary if (self.local_rotary is not None and layer.self_attn.window) else self.rotary
+            x = layer.input_layernorm.add_and_norm(h, delta)
+            delta = layer.post_attention_layernorm(layer.self_attn(x, positions, rotary, kv_cache, meta, backend))
+            x = layer.pre_feedforward_layernorm.add_and_norm(h, delta)
+            delta = layer.post_feedforward_layernorm(layer.mlp(x))
+        return self.model.norm.add_and_norm(h, delta)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.output_packed is not None:
-            return self.output_packed.forward(hidden)  # [num_selected, vocab]
-        return linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]
+            logits = self.output_packed.forward(hidden)  # [num_selected, vocab]
+        else:
+            logits = linear(hidden, self.output_weight, None, self.linear_kernel)  # [num_selected, vocab]
+        if self.spec.final_softcap is not None:
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -150,18 +150,22 @@ class GgufBlocks:
     """A GGUF file's decoder products, read a layer at a time (the file opened once): layer(i) gives
     (submodule, product) -> Int4Parts / Q8Parts / None (float) for layer i's four fused products."""
 
-    def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int, folder: Path | None = None) -> None:
+    def __init__(self, gguf_path: Path, num_heads: int, num_kv_heads: int, folder: Path | None = None,
+                 rows_permuted: bool = True) -> None:
+        """rows_permuted: whether the file's q/k rows are in llama.cpp's rotary order (its llama models';
+        gguf_convert.PERMUTED_ROTARY_ARCHITECTURES), to be undone."""
         from pagecli.models.gguf_index import map_file, read_tensors
 
         self.path = gguf_path
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.rows_permuted = rows_permuted
         self._mapping = map_file(gguf_path)
         # Through the converted folder's index where it has one; the bytes view self._mapping.
         self.tensors = read_tensors(gguf_path, folder, self._mapping)
 
     def layer(self, index: int) -> dict[tuple[str, str], Any]:
         products: dict[tuple[str, str], Any] = {}
-        rotary_heads = {"attn_q": self.num_heads, "attn_k": self.num_kv_heads}
+        rotary_heads = {"attn_q": self.num_heads, "attn_k": self.num_kv_heads} if self.rows_permuted else {}
         for (module, product), names in _PRODUCTS.items():
             tensors = []
             for name in names:

@@ -1,7 +1,8 @@
 """GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, chat template).
 
 Dequantization is exact (every quantized value becomes the float32 it stands for), and
-llama.cpp's reordering of the q/k projection rows is undone, so the folder loads in
+llama.cpp's reordering of the q/k projection rows is undone (its converter reorders llama's only:
+Qwen2's and Qwen3's rotary is already the rotate-half kind), so the folder loads in
 transformers and in pagecli's own decoders like any checkpoint from the Hub.
 """
 
@@ -18,7 +19,15 @@ import numpy as np
 from pagecli.errors import ModelError
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# The GGUF architectures whose q/k rows llama.cpp's converter reorders (unpermute_rotary_rows undoes it).
+PERMUTED_ROTARY_ARCHITECTURES = ("llama",)
+# GGUF architecture -> (Hugging Face model_type, architectures entry)
+_HF_MODEL = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
 
 # Bounds the float32 weights held in memory at once; the 135M default fits in one file.
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -38,6 +47,11 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2's q/k/v biases
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's q/k norms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -73,7 +87,7 @@ def _read_header(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
             f"these GGUF architectures: {supported}; pass a Hugging Face folder or hub id instead."
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
-    return reader, metadata, _llama_config(gguf_path, metadata, tensor_names, _token_count(reader))
+    return reader, metadata, _decoder_config(gguf_path, architecture, metadata, tensor_names, _token_count(reader))
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -117,21 +131,23 @@ def _token_count(reader: Any) -> int | None:
     return len(field.data) if field is not None else None
 
 
-def _llama_config(
-    gguf_path: Path, metadata: dict[str, Any], tensor_names: set[str], token_count: int | None
+def _decoder_config(
+    gguf_path: Path, architecture: str, metadata: dict[str, Any], tensor_names: set[str], token_count: int | None
 ) -> dict[str, Any]:
-    """LlamaConfig keyword arguments from the `llama.*` and `tokenizer.ggml.*` fields."""
+    """The Hugging Face config's keyword arguments (LlamaConfig's, Qwen2Config's, Qwen3Config's) from the
+    `<architecture>.*` and `tokenizer.ggml.*` fields."""
 
     def need(key: str) -> Any:
         if key not in metadata:
             raise ModelError(f"GGUF file '{gguf_path}' lacks the '{key}' field; it cannot be converted.")
         return metadata[key]
 
-    if metadata.get("llama.expert_count", 0):
+    arch = architecture
+    if metadata.get(f"{arch}.expert_count", 0):
         raise ModelError(
             f"GGUF file '{gguf_path}' holds a mixture-of-experts model, which pagecli does not run."
         )
-    if "rope_freqs.weight" in tensor_names or metadata.get("llama.rope.scaling.type", "none") not in (
+    if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") not in (
         "none",
         "linear",
     ):
@@ -140,20 +156,22 @@ def _llama_config(
             "pass the model's Hugging Face folder or hub id instead."
         )
 
-    num_heads = need("llama.attention.head_count")
-    hidden_size = need("llama.embedding_length")
+    num_heads = need(f"{arch}.attention.head_count")
+    hidden_size = need(f"{arch}.embedding_length")
+    model_type, hf_architecture = _HF_MODEL[arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": metadata.get("llama.vocab_size", token_count),
+        "model_type": model_type,
+        "architectures": [hf_architecture],
+        "vocab_size": metadata.get(f"{arch}.vocab_size", token_count),
         "hidden_size": hidden_size,
-        "intermediate_size": need("llama.feed_forward_length"),
-        "num_hidden_layers": need("llama.block_count"),
+        "intermediate_size": need(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": need(f"{arch}.block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": metadata.get("llama.attention.head_count_kv", num_heads),
-        "head_dim": metadata.get("llama.attention.key_length", hidden_size // num_heads),
-        "max_position_embeddings": need("llama.context_length"),
-        "rms_norm_eps": need("llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": metadata.get("llama.rope.freq_base", 10000.0),
+        "num_key_value_heads": metadata.get(f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads),
+        "max_position_embeddings": need(f"{arch}.context_length"),
+        "rms_norm_eps": need(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_token_ids(metadata),
@@ -162,8 +180,12 @@ def _llama_config(
     }
     if config["vocab_size"] is None:
         raise ModelError(f"GGUF file '{gguf_path}' has no vocabulary; it cannot be converted.")
-    if metadata.get("llama.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": need("llama.rope.scaling.factor")}
+    if metadata.get(f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": need(f"{arch}.rope.scaling.factor")}
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False  # llama.cpp runs them with full attention in every layer
+    if arch == "qwen2":
+        config["attention_bias"] = True  # bias is default on for qwen2
     return config
 
 
@@ -181,6 +203,7 @@ def _eos_token_ids(metadata: dict[str, Any]) -> int | list[int] | None:
 
 
 def _hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for one no supported architecture has."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
@@ -197,8 +220,8 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
         hf_name = _hf_tensor_name(tensor.name)
         if hf_name is None:
             raise ModelError(
-                f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain Llama model does "
-                "not have; pass the model's Hugging Face folder or hub id instead."
+                f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
+                "does not have; pass the model's Hugging Face folder or hub id instead."
             )
         try:
             weight = dequantize(tensor.data, tensor.tensor_type)
@@ -210,7 +233,9 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
         # GGUF lists dimensions innermost first; HF is [out_features, in_features].
         hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
-        if tensor.name.endswith("attn_q.weight"):
+        if config["model_type"] not in PERMUTED_ROTARY_ARCHITECTURES:
+            pass
+        elif tensor.name.endswith("attn_q.weight"):
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
         elif tensor.name.endswith("attn_k.weight"):
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
@@ -269,9 +294,10 @@ def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str
 
 
 def _write_configs(config: dict[str, Any], out_dir: Path) -> None:
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-    LlamaConfig(**config).save_pretrained(str(out_dir))
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[config["model_type"]]
+    config_class(**{key: value for key, value in config.items() if key != "model_type"}).save_pretrained(str(out_dir))
     generation_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     GenerationConfig(**{key: value for key, value in generation_ids.items() if value is not None}).save_pretrained(
         str(out_dir)

@@ -1,4 +1,4 @@
-"""Building blocks of the lean decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks of the lean decoder: RMSNorm, rotary embedding, the gated MLP (SwiGLU, GeGLU)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ class RMSNorm(nn.Module):
     # pagecli.native's add_rms_norm (the same arithmetic in one pass), when set by weight_forms.WeightPlacer.
     kernel: Callable[..., torch.Tensor] | None = None
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        if offset:
+            # Gemma's norms multiply by (1 + weight): the 1 is added to the checkpoint's weight as it loads,
+            # so this module and the native add_rms_norm run it unchanged (exact in float32).
+            self.register_load_state_dict_pre_hook(_adding_to_weight(offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 like the reference implementation, then cast back.
@@ -34,17 +38,38 @@ class RMSNorm(nn.Module):
         return self(h)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions, precomputed once (float32)."""
+def _adding_to_weight(offset: float) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        key = prefix + "weight"
+        if key in state_dict:
+            state_dict[key] = state_dict[key] + offset
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    return hook
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, precomputed once (float32). layer_type: the
+    layers whose rope settings these are, where they differ per type (Gemma 3's sliding_attention);
+    rotary_dim: the rotated part of each head (partial rotary), the whole head when None."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = _inv_freq(hf_config, head_dim)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, scaling = _inv_freq(hf_config, self.rotary_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        freqs = positions.unsqueeze(1) * inv_freq  # [max_positions, rotary_dim / 2]
+        long = _longrope_long_freq(hf_config, layer_type)
+        if long is not None:
+            # Longrope (Phi-3): positions past the pretraining length take the long factors, each position
+            # always the same (as vLLM does; transformers switches a whole forward by its longest position,
+            # which gives the same numbers while a sequence stays within that length).
+            long_inv, original_max = long
+            freqs[original_max:] = positions[original_max:].unsqueeze(1) * long_inv
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.partial = self.rotary_dim != head_dim
         self.kernel: Callable[..., None] | None = None  # pagecli.native's rotary_ (in place), when set
 
     def forward(
@@ -52,11 +77,15 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, kv_heads, head_dim]
         if self.kernel is not None:
-            self.kernel(q, positions, self.cos, self.sin)
-            self.kernel(k, positions, self.cos, self.sin)
+            # In place on the rotated part (a strided view the kernel writes through).
+            self.kernel(q[..., :self.rotary_dim], positions, self.cos, self.sin)
+            self.kernel(k[..., :self.rotary_dim], positions, self.cos, self.sin)
             return q, k
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:
+            return (torch.cat((_rotate(q[..., :self.rotary_dim], cos, sin), q[..., self.rotary_dim:]), dim=-1),
+                    torch.cat((_rotate(k[..., :self.rotary_dim], cos, sin), k[..., self.rotary_dim:]), dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -67,18 +96,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(hf_config)
-    rope_type = rope_type_of(hf_config)
+def _inv_freq(hf_config: Any, rotary_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [rotary_dim / 2] and the factor on cos/sin (longrope: its short factors)."""
+    params = rope_parameters(hf_config, layer_type)
+    rope_type = rope_type_of(hf_config, layer_type)
     if rope_type == "default":
         theta = float(params.get("rope_theta", 10000.0))
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         return inv, 1.0
     # transformers owns the scaled variants (llama3, linear, yarn, ...): use its definitions.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    by_type = {} if layer_type is None else {"layer_type": layer_type}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **by_type)
     return inv.float(), float(scaling)
+
+
+def _longrope_long_freq(hf_config: Any, layer_type: str | None) -> tuple[torch.Tensor, int] | None:
+    """Longrope's inverse frequencies past the pretraining length, and that length; None for other ropes."""
+    if rope_type_of(hf_config, layer_type) != "longrope":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(hf_config, layer_type)
+    original_max = int(params.get("original_max_position_embeddings")
+                       or getattr(hf_config, "original_max_position_embeddings"))
+    by_type = {} if layer_type is None else {"layer_type": layer_type}
+    inv, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"), seq_len=original_max + 1, **by_type)
+    return inv.float(), original_max
 
 
 # pagecli.native's bf16 product: it picks AMX tiles, its few-row AVX512-BF16 kernel or oneDNN by
@@ -168,21 +213,35 @@ def concat_linears(linears: list[nn.Linear]) -> Linear:
     return fused
 
 
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_tanh, Gemma). fused: the checkpoint holds
+    gate and up as one gate_up_proj already (Phi-3), gate's rows first."""
 
-    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # pagecli.native's silu_mul, when set
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # pagecli.native's silu_mul (SwiGLU only), when set
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu",
+                 fused: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=bias)
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.activation = activation
+        self.intermediate = intermediate
+        if fused:
+            self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        else:
+            self.gate_proj = Linear(hidden, intermediate, bias=bias)
+            self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def fuse_projections(self) -> None:
-        """Replace gate_proj and up_proj (checkpoint names) by one gate_up_proj."""
+        """Replace gate_proj and up_proj (checkpoint names) by one gate_up_proj (done already when fused)."""
+        if hasattr(self, "gate_up_proj"):
+            return
         self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
-        self.intermediate = self.gate_proj.out_features
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,4 +249,4 @@ class GatedMLP(nn.Module):
         if self.kernel is not None and gate_up.dim() == 2:
             return self.down_proj(self.kernel(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)

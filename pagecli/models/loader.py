@@ -77,6 +77,8 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 _PLAIN_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "rms_norm_eps")
 _PLAIN_CONFIG_KEYS_BY_TYPE = {"qwen2": ("use_sliding_window",), "qwen3": ("use_sliding_window", "head_dim")}
+# Gemma and Phi-3 configs always go through their classes, which fill in layer types, rope tables and more.
+_PLAIN_CONFIG_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The weights' shapes: transformers' config classes default them to a 7B model's, which no checkpoint of
 # another size matches, so a config.json of ours that lacks one is refused instead of defaulted.
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -134,7 +136,7 @@ def _plain_config(folder: Path) -> SimpleNamespace | None:
         return None
     model_type = data.get("model_type")
     required = _PLAIN_CONFIG_KEYS + _PLAIN_CONFIG_KEYS_BY_TYPE.get(model_type, ())
-    if model_type not in SUPPORTED_MODEL_TYPES or any(key not in data for key in required):
+    if model_type not in _PLAIN_CONFIG_TYPES or any(key not in data for key in required):
         return None
     config = SimpleNamespace(**data)
     if rope_type_of(config) != "default":
@@ -198,9 +200,16 @@ def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_posi
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
-    rotary = RotaryEmbedding(hf_config, spec.head_dim, max_positions or spec.max_position_embeddings).to(dev)
+    positions = max_positions or spec.max_position_embeddings
+    # Gemma 3's rope settings are per layer type: its full attention layers', and its sliding layers' own.
+    global_type = "full_attention" if spec.local_rope else None
+    rotary = RotaryEmbedding(hf_config, spec.head_dim, positions, global_type, spec.rotary_dim).to(dev)
+    local_rotary = None
+    if spec.local_rope:  # rope_local_base_freq
+        local_rotary = RotaryEmbedding(hf_config, spec.head_dim, positions, "sliding_attention",
+                                       spec.rotary_dim).to(dev)
     with torch.device("meta"):  # parameters get their real storage from the checkpoint
-        model = CausalLM(spec, rotary)
+        model = CausalLM(spec, rotary, local_rotary)
     model.source_folder = folder  # before the weights: layer_ready may read a GGUF source beside it
     _load_weights(model, folder, torch_dtype, dev, layer_ready, layer_provided)
     model.eval()

@@ -1,7 +1,8 @@
 """What the engine needs to know about a decoder, read from a Hugging Face config.
 
 The Llama family and close relatives share one lean implementation; each architecture
-differs only in the flags below (q/k/v bias, q/k RMSNorm, tied embeddings, rope scaling).
+differs only in the flags below (q/k/v bias, q/k RMSNorm, tied embeddings, rope scaling; Gemma's
+norms around each block, soft-capping and sliding layers; Phi-3's fused checkpoint and partial rotary).
 Every size is checked here, where the config is read, so a malformed config.json is one
 ModelError naming the file and the field, never a failure deep inside model construction.
 """
@@ -21,9 +22,17 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "mistral": (False, False),
     "qwen2": (True, False),  # Qwen2, Qwen2.5
     "qwen3": (False, True),
+    "gemma2": (False, False),
+    "gemma3_text": (False, True),  # Gemma 3's text model (Gemma3ForCausalLM)
+    "phi3": (False, False),  # Phi-3, Phi-3.5, Phi-4
 }
-SUPPORTED_NAMES = "Llama 2/3, SmolLM/SmolLM2 (llama), Mistral, Qwen2/Qwen2.5 (qwen2), Qwen3 (qwen3)"
+SUPPORTED_NAMES = ("Llama 2/3, SmolLM/SmolLM2 (llama), Mistral, Qwen2/Qwen2.5 (qwen2), Qwen3 (qwen3), "
+                   "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Phi-3/3.5/4 (phi3)")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Architectures whose checkpoint holds q/k/v and gate/up as one matrix each (qkv_proj, gate_up_proj).
+FUSED_CHECKPOINT_TYPES = ("phi3",)
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -43,27 +52,64 @@ class DecoderSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None
-    hidden_act: str
+    sliding_window: int | None  # the context cap of a model whose window pagecli does not apply (Mistral, Qwen2, Phi-3)
+    hidden_act: str  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # Gemma's and Phi-3's differences from the Llama shape; the defaults are Llama's.
+    layer_windows: tuple[int | None, ...] = ()  # per layer: the sliding window it attends in (None: all), or ()
+    attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap) before the softmax
+    final_softcap: float | None = None  # the same on the logits
+    attn_scale: float | None = None  # the score scale (Gemma: query_pre_attn_scalar^-0.5), else head_dim^-0.5
+    embed_scale: float | None = None  # the embedding's rows are multiplied by this (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma's (1 + weight) is 1.0
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 2 and 3)
+    local_rope: bool = False  # sliding layers have rope settings of their own (Gemma 3's rope_local_base_freq)
+    fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (partial rotary), else all
+
+    @property
+    def masked_attention(self) -> bool:
+        """Whether some layer needs soft-capping or a sliding window, which pagecli.native's attention kernels and
+        its one-call decode step lack (the PyTorch path and the Triton kernels apply them)."""
+        return self.attn_softcap is not None or any(window is not None for window in self.layer_windows)
+
+    @property
+    def llama_shaped(self) -> bool:
+        """Whether every layer is the Llama shape that pagecli.native's one-call DecodeStep runs: SwiGLU, one
+        norm before each block, full rotary, plain attention (the embedding and logits are outside it)."""
+        return (self.hidden_act == "silu" and not self.masked_attention and not self.sandwich_norms
+                and not self.local_rope and self.rotary_dim is None)
+
+    def layer_window(self, index: int) -> int | None:
+        return self.layer_windows[index] if self.layer_windows else None
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str | Path | None = None) -> "DecoderSpec":
         """The spec of a config object; `source` (the config file, a GGUF file, a hub id) is named in errors."""
         model_type = getattr(config, "model_type", None)
+        if model_type == "gemma3":
+            raise ModelError("Architecture 'gemma3' (Gemma 3 with its vision tower) is not supported; pagecli runs "
+                             "Gemma 3's text model (model_type gemma3_text, Gemma3ForCausalLM) and "
+                             f"{SUPPORTED_NAMES}.")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelError(
                 f"Architecture '{model_type}' is not supported; pagecli runs {SUPPORTED_NAMES}."
             )
         qkv_bias_default, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
-        hidden_act = getattr(config, "hidden_act", "silu")
-        if hidden_act not in ("silu", "swish"):
-            raise ModelError(f"Activation '{hidden_act}' is not supported; pagecli's MLP is SwiGLU (silu).")
+        hidden_act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if hidden_act not in _ACTIVATIONS:
+            raise ModelError(f"Activation '{hidden_act}' is not supported; pagecli's gated MLP takes "
+                             f"{', '.join(_ACTIVATIONS)}.")
         where = f"The model config '{source}'" if source else "The model config"
-        rope_type = _checked_rope_type(config, where)
-        if rope_type not in _SUPPORTED_ROPE:
-            raise ModelError(f"Rope scaling '{rope_type}' is not supported; supported: {', '.join(_SUPPORTED_ROPE)}.")
+        for layer_type in _rope_layer_types(config):
+            rope_type = _checked_rope_type(config, where, layer_type)
+            if rope_type not in _SUPPORTED_ROPE:
+                raise ModelError(f"Rope scaling '{rope_type}' is not supported; supported: "
+                                 f"{', '.join(_SUPPORTED_ROPE)}.")
         sizes = _checked_sizes(config, where)
         attention_bias = getattr(config, "attention_bias", None)
+        extras = _gemma_fields(config, where, sizes) if model_type in GEMMA_TYPES else {}
+        if model_type in GEMMA_TYPES:
+            sizes["sliding_window"] = None  # applied per layer (layer_windows), not a cap on the context
         return cls(
             model_type=model_type,
             **sizes,
@@ -72,7 +118,10 @@ class DecoderSpec:
             o_bias=bool(attention_bias) if model_type in ("llama", "qwen3") else False,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
-            hidden_act=hidden_act,
+            hidden_act=_ACTIVATIONS[hidden_act],
+            fused_checkpoint=model_type in FUSED_CHECKPOINT_TYPES,
+            rotary_dim=_rotary_dim(config, sizes["head_dim"], where),
+            **extras,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -104,12 +153,61 @@ def _checked_sizes(config: Any, where: str) -> dict[str, Any]:
     )
 
 
-def _checked_rope_type(config: Any, where: str) -> str:
+def _gemma_fields(config: Any, where: str, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's differences: the layers' windows, soft-caps, the score scale, the scaled embedding,
+    (1 + weight) norms and the norms after each block; Gemma 3's sliding layers have their own rope."""
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != sizes["num_layers"] or \
+            any(kind not in ("sliding_attention", "full_attention") for kind in layer_types):
+        raise ModelError(f"{where} has layer_types = {layer_types!r}; it must name sliding_attention or "
+                         f"full_attention for each of its {sizes['num_layers']} layers.")
+    window = _size(config, "sliding_window", where) if "sliding_attention" in layer_types else None
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return dict(
+        layer_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+        attn_softcap=_optional_positive(config, "attn_logit_softcapping", where),
+        final_softcap=_optional_positive(config, "final_logit_softcapping", where),
+        attn_scale=None if scalar is None else _positive_number(config, "query_pre_attn_scalar", where) ** -0.5,
+        embed_scale=sizes["hidden_size"] ** 0.5,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        local_rope=getattr(config, "model_type", None) == "gemma3_text",
+    )
+
+
+def _rotary_dim(config: Any, head_dim: int, where: str) -> int | None:
+    """Partial rotary (Phi-4-mini's 0.75): the rotated part of each head, None when it is all of it."""
+    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor is None or factor == 1.0:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+        raise ModelError(f"{where} has partial_rotary_factor = {factor!r}; it must be a number in (0, 1].")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ModelError(f"{where} has partial_rotary_factor {factor} of head_dim {head_dim}: {dim} rotated "
+                         "dimensions, which must be an even number of at least 2.")
+    return dim
+
+
+def _optional_positive(config: Any, key: str, where: str) -> float | None:
+    return None if getattr(config, key, None) is None else _positive_number(config, key, where)
+
+
+def _rope_layer_types(config: Any) -> tuple[str | None, ...]:
+    """The layer types with rope settings of their own (Gemma 3's), else (None,): one setting for all."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params and "rope_theta" not in params and \
+            all(isinstance(value, dict) for value in params.values()):
+        return tuple(params)
+    return (None,)
+
+
+def _checked_rope_type(config: Any, where: str, layer_type: str | None = None) -> str:
     for key in ("rope_parameters", "rope_scaling"):
         table = getattr(config, key, None)
         if table is not None and not isinstance(table, dict):
             raise ModelError(f"{where} has {key} = {table!r}; it must be a table of rope settings (or null).")
-    rope_type = rope_type_of(config)
+    rope_type = rope_type_of(config, layer_type)
     if not isinstance(rope_type, str):
         raise ModelError(f"{where} has rope_type = {rope_type!r}; it must be a name like 'default' or 'llama3'.")
     return rope_type
@@ -142,13 +240,13 @@ def _positive_number(config: Any, key: str, where: str) -> float:
     return float(value)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The rope settings in transformers' v5 shape (`rope_parameters`), or the older attributes.
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings in transformers' v5 shape (`rope_parameters`), or the older attributes; of one
+    layer type (Gemma 3's sliding_attention) where they differ per type, else of full attention layers.
     A value that is not a table is left out here; DecoderSpec refuses it, naming the field."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        # Per-layer-type parameters: every layer here is full attention.
-        params = params.get("full_attention", next(iter(params.values())))
+        params = params.get(layer_type or "full_attention", next(iter(params.values())))
     if not params or not isinstance(params, dict):
         scaling = getattr(config, "rope_scaling", None)
         scaling = scaling if isinstance(scaling, dict) else {}
@@ -156,7 +254,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params)
 
 
-def rope_type_of(config: Any) -> str:
+def rope_type_of(config: Any, layer_type: str | None = None) -> str:
     """The rope variant: "default" (plain), or a scaled one ("llama3", "linear", "yarn", ...)."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     return params.get("rope_type", params.get("type", "default")) or "default"

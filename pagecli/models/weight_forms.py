@@ -119,7 +119,8 @@ class WeightPlacer:
             return
         ops = self.ops
         model.linear_kernel = ops.linear if self.plan.row_kernel else None
-        model.rotary.kernel = ops.rotary_
+        for rotary in model.rotaries():
+            rotary.kernel = ops.rotary_
         for module in model.modules():
             if isinstance(module, Linear):
                 module.kernel = model.linear_kernel
@@ -127,7 +128,7 @@ class WeightPlacer:
                     self._to_panels(module, "bf16-panels")
             elif isinstance(module, RMSNorm):
                 module.kernel = ops.add_rms_norm
-            elif isinstance(module, GatedMLP):
+            elif isinstance(module, GatedMLP) and module.activation == "silu":
                 module.kernel = ops.silu_mul
         _stream_weights_from_large_pages(model, ops)
         model.decode_step = self._decode_step(model)
@@ -228,8 +229,11 @@ class WeightPlacer:
 
                 raise PagecliError("--quantize gguf runs a .gguf model's own quantized weights; this model was not "
                                    "loaded from a .gguf file (use int8 or int4).")
+            from pagecli.models.gguf_convert import PERMUTED_ROTARY_ARCHITECTURES
+
             self._gguf = gguf_blocks.GgufBlocks(source, model.spec.num_heads, model.spec.num_kv_heads,
-                                                model.source_folder)
+                                                model.source_folder,
+                                                model.spec.model_type in PERMUTED_ROTARY_ARCHITECTURES)
         return self._gguf
 
     def _gguf_layer(self, model: CausalLM, index: int, layer: DecoderLayer) -> None:
@@ -258,7 +262,7 @@ class WeightPlacer:
         a product runs in PyTorch (the Python loop runs it)."""
         layers = model.model.layers
         products = [_packed_products(layer) for layer in layers]
-        if not self.plan.decode_step or any(isinstance(p, (Int8Reference, Int4Reference))
+        if not self.plan.decode_step or not model.spec.llama_shaped or any(isinstance(p, (Int8Reference, Int4Reference))
                                             for layer in products for p in layer):
             return None
         spec = model.spec

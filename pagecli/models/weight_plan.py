@@ -148,11 +148,13 @@ class WeightPlan:
 
 
 def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None, level: str,
-                 gguf_types: Mapping[str, int] | None = None) -> WeightPlan:
+                 gguf_types: Mapping[str, int] | None = None, llama_shaped: bool = True) -> WeightPlan:
     """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
     kernels (None on a GPU or without them); level: their instruction-set level (pagecli.native.level());
     gguf_types: how many decoder matrices each GGUF type holds, for a model converted from a .gguf file
-    (gguf_files.tensor_types), else None. Refuses --quantize off the CPU, and gguf for another model."""
+    (gguf_files.tensor_types), else None; llama_shaped: whether the architecture's layers are the ones the
+    one-call decode step runs (DecoderSpec.llama_shaped: not Gemma's soft-capping, sliding layers, norms
+    after each block and GeGLU, nor partial rotary). Refuses --quantize off the CPU, and gguf for another model."""
     if quantize not in ("auto", "none", *QUANTIZED):
         raise PagecliError(f"--quantize must be auto, none, int8, int4 or gguf (got '{quantize}').")
     if quantize in QUANTIZED and device.type != "cpu":
@@ -182,7 +184,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
         native=ops is not None, int8_native=int8_native, int4_native=int4_native, int16_activations=int16,
         q8_0_as_is=q8_0_as_is, pack_floats=float_form == "bf16-panels",
         row_kernel=ops is not None and dtype == torch.bfloat16,
-        decode_step=ops is not None and not in_pytorch, decode_team=decode_team_wanted(), why=why,
+        decode_step=ops is not None and not in_pytorch and llama_shaped, decode_team=decode_team_wanted(), why=why,
     )
 
 
@@ -227,6 +229,7 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
     from, if any, read through the folder's index. The engine loads the model in plan.dtype."""
     from pagecli import native
     from pagecli.models import gguf_files
+    from pagecli.models.loader import load_hf_config, read_spec, resolve_dtype
 
     source = gguf_files.gguf_source(folder) if quantize in ("auto", "gguf") else None
     gguf_types = None
@@ -238,10 +241,9 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
                 raise
             gguf_types = {}  # changed since its conversion: the converted floats still load
     if not isinstance(dtype, torch.dtype):
-        from pagecli.models.loader import load_hf_config, resolve_dtype
-
         auto = dtype == "auto"
         dtype = resolve_dtype(dtype, load_hf_config(folder), device)
         if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types):
             dtype = torch.float32
-    return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types)
+    return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types,
+                        read_spec(folder).llama_shaped)

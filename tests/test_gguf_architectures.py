@@ -1,0 +1,71 @@
+"""Qwen2 and Qwen3 GGUF files: metadata to config, tensor names (q/k/v biases, q/k norms) to the model's,
+rows left in their order (llama.cpp reorders llama's q/k only), the tokenizer from the file. An F32 file
+gives its Hugging Face folder's greedy tokens; a Q8_0 file's blocks run as they lie (--quantize gguf)
+give its converted floats' tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+from pagecli.models.source import resolve_model
+from tiny_gguf import write_tiny_gguf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you"]
+ARCHS = ("qwen2", "qwen3")
+SPREAD = {"initializer_range": 0.15}  # weights large enough that the greedy tokens vary (not one token repeated)
+
+
+def greedy(model: str, quantize: str = "none") -> list[list[int]]:
+    config = EngineConfig(dtype="float32", device="cpu", quantize=quantize, disk_cache=False, num_blocks=64)
+    with Engine(model, config) as engine:
+        return [list(out.token_ids) for out in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_f32_gguf_converts_back_to_its_folders_weights_and_tokens(arch, tiny_model_factory, tmp_path):
+    from safetensors.numpy import load_file
+
+    hf_folder = tiny_model_factory(arch, **SPREAD)
+    path = tmp_path / f"tiny-{arch}.F32.gguf"
+    write_tiny_gguf(hf_folder, path, arch)
+    folder = resolve_model(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == arch
+    original = load_file(str(hf_folder / "model.safetensors"))
+    converted = load_file(str(folder / "model.safetensors"))
+    assert converted.keys() == original.keys()
+    for name, weight in original.items():
+        assert np.array_equal(converted[name], weight), name
+    assert greedy(str(path)) == greedy(str(hf_folder))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_q8_0_ggufs_blocks_give_its_converted_floats_tokens(arch, tiny_model_factory, tmp_path):
+    path = tmp_path / f"tiny-{arch}.Q8_0.gguf"
+    write_tiny_gguf(tiny_model_factory(arch, **SPREAD), path, arch, projections="Q8_0")
+    floats = greedy(str(path), quantize="none")
+    assert all(len(set(tokens)) > 3 for tokens in floats)
+    assert greedy(str(path), quantize="gguf") == floats
+
+
+def test_a_gguf_of_an_architecture_pagecli_does_not_convert_is_named(tmp_path):
+    import gguf
+
+    from pagecli.errors import ModelError
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="'gemma2' model, but pagecli converts only these GGUF architectures: "
+                                         "llama, qwen2, qwen3"):
+        resolve_model(str(path))
