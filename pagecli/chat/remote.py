@@ -18,7 +18,7 @@ from typing import Any
 from pagecli.batch.remote import ServerConnection, api_fields
 from pagecli.chat.controller import ChatController
 from pagecli.chat.conversation import Conversation, Turn
-from pagecli.chat.turn import TurnResult, TurnStats
+from pagecli.chat.turn import TurnResult, TurnStats, decode_rate
 from pagecli.chat.view import TurnRecord
 from pagecli.config.settings import SamplingParams
 from pagecli.engine.stats import EngineStats
@@ -36,7 +36,6 @@ class ServerEngine:
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.connection = ServerConnection(url, api_key)
-        self.url = self.connection.url
         self.model = self.connection.model()
         self.max_model_len = self.stats().max_model_len
 
@@ -96,8 +95,7 @@ class RemoteChatController(ChatController):
 
     def send(self, user_text: str) -> TurnRecord | None:
         messages = self.conversation.messages(pending_user=user_text)
-        before = self.engine.stats()
-        turn = _LiveTurn(self.engine, before)
+        turn = _LiveTurn(self.engine)
         record = None
         self.view.begin_reply(turn.live_status)
         try:
@@ -120,8 +118,8 @@ class _LiveTurn:
     """One turn's figures as they stream (tokens counted as the server's pieces come, one per piece, until its
     usage says), and the live status the views poll: the server's pool now, and this turn so far."""
 
-    def __init__(self, engine: ServerEngine, before: EngineStats) -> None:
-        self.engine, self.before = engine, before
+    def __init__(self, engine: ServerEngine) -> None:
+        self.engine = engine
         self.pieces: list[str] = []
         self.sent_s = time.perf_counter()
         self.first_s: float | None = None
@@ -130,9 +128,7 @@ class _LiveTurn:
 
     def stats(self, completion_tokens: int | None = None) -> TurnStats:
         tokens = len(self.pieces) if completion_tokens is None else completion_tokens
-        rate = None
-        if self.first_s is not None and self.last_s is not None and tokens > 1 and self.last_s > self.first_s:
-            rate = (tokens - 1) / (self.last_s - self.first_s)
+        rate = decode_rate(self.first_s, self.last_s, tokens)
         return TurnStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, cached_disk_tokens=0,
                          prefilled_tokens=self.prompt_tokens - self.cached_tokens, completion_tokens=tokens,
                          ttft_s=None if self.first_s is None else self.first_s - self.sent_s, decode_tokens_per_s=rate)

@@ -55,6 +55,15 @@ class TurnResult:
     engine_stats: EngineStats  # the snapshot at the end of the turn
 
 
+def decode_rate(first_token_s: float | None, last_token_s: float | None, tokens: int) -> float | None:
+    """Tokens per second after the first (the first one's wait is the TTFT), from the clock at the first and
+    the last token; None until there are two tokens apart in time."""
+    if first_token_s is None or last_token_s is None or tokens < 2:
+        return None
+    elapsed_s = last_token_s - first_token_s
+    return (tokens - 1) / elapsed_s if elapsed_s > 0 else None
+
+
 class TurnTracker:
     """Clock and counters of the turn in flight; `live_status` gives the views a consistent picture."""
 
@@ -76,10 +85,7 @@ class TurnTracker:
         self.ttft_s = ttft_s if ttft_s is not None else self.ttft_s
 
     def decode_tokens_per_s(self) -> float | None:
-        if self._first_token_s is None or self._last_token_s is None or self.completion_tokens < 2:
-            return None
-        elapsed_s = self._last_token_s - self._first_token_s
-        return (self.completion_tokens - 1) / elapsed_s if elapsed_s > 0 else None
+        return decode_rate(self._first_token_s, self._last_token_s, self.completion_tokens)
 
     def stats(self, now: EngineStats) -> TurnStats:
         return TurnStats.between(self.before, now, self.prompt_tokens, self.completion_tokens, self.ttft_s,

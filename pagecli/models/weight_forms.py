@@ -87,9 +87,7 @@ class WeightPlacer:
         form = self.plan.decoder
         if form in ("float", "bf16-panels"):
             return  # kept as loaded (the packed GEMM's panels come in finish, with the output layer's)
-        if form == "float-panels":
-            if model.model.norm.weight.dtype != torch.float32:
-                return
+        if form == "float-panels":  # the plan's form of float32 models only (_to_panels checks each weight)
             for linear in _linears(layer):
                 self._to_panels(linear, form)
         elif form == "gguf":
@@ -259,10 +257,11 @@ class WeightPlacer:
     def _decode_step(self, model: CausalLM) -> Any:
         """Decode-only steps run the whole layer loop in C++: the same kernels in the same order as
         CausalLM.forward, without the Python between them (a few ms per token for one stream). None where
-        a product runs in PyTorch (the Python loop runs it)."""
+        the plan has none (an architecture it cannot run: WeightPlan.decode_step) or a product runs in
+        PyTorch (the Python loop runs it)."""
         layers = model.model.layers
         products = [_packed_products(layer) for layer in layers]
-        if not self.plan.decode_step or not model.spec.llama_shaped or any(isinstance(p, (Int8Reference, Int4Reference))
+        if not self.plan.decode_step or any(isinstance(p, (Int8Reference, Int4Reference))
                                             for layer in products for p in layer):
             return None
         spec = model.spec

@@ -216,10 +216,10 @@ def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | Non
     numbers to 2^-16) instead of its floats rounded to bf16: measured on a Zen 4 (AVX512-BF16, no AMX),
     2 threads, the embedded model decoded at 119 tok/s greedy this way against 101 in bf16 and llama.cpp
     Q4_1's 116 (issue 43, llama-bench tg256). AMX CPUs keep bf16: unmeasured there."""
-    return (quantize in ("auto", "gguf") and device.type == "cpu" and ops is not None and not ops.has_amx()
-            and gguf_types is not None and any(kind in AS_IS_TYPES for kind in gguf_types)
-            and kernel_takes(ops.int8_linear_kind(), torch.float32)
-            and kernel_takes(ops.int4_linear_kind(), torch.float32))
+    if quantize not in ("auto", "gguf") or device.type != "cpu" or ops is None or ops.has_amx():
+        return False
+    # float32 is the dtype whose blocks --quantize auto runs: where its plan would run them, take it
+    return plan_weights(torch.float32, device, "auto", ops, "", gguf_types).quantize == "gguf"
 
 
 def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
@@ -229,7 +229,8 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
     from, if any, read through the folder's index. The engine loads the model in plan.dtype."""
     from pagecli import native
     from pagecli.models import gguf_files
-    from pagecli.models.loader import load_hf_config, read_spec, resolve_dtype
+    from pagecli.models.loader import load_hf_config, resolve_dtype
+    from pagecli.models.spec import DecoderSpec
 
     source = gguf_files.gguf_source(folder) if quantize in ("auto", "gguf") else None
     gguf_types = None
@@ -240,10 +241,12 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
             if quantize == "gguf":
                 raise
             gguf_types = {}  # changed since its conversion: the converted floats still load
+    hf_config = load_hf_config(folder)  # read once: the dtype and the architecture's shape
     if not isinstance(dtype, torch.dtype):
         auto = dtype == "auto"
-        dtype = resolve_dtype(dtype, load_hf_config(folder), device)
+        dtype = resolve_dtype(dtype, hf_config, device)
         if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types):
             dtype = torch.float32
+    spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types,
-                        read_spec(folder).llama_shaped)
+                        spec.llama_shaped)
