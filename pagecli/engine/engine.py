@@ -107,21 +107,19 @@ class Engine:
         if loaded is None:
             from pagecli.models.source import DEFAULT_MODEL_NAME, resolve_model
 
-            folder = resolve_model(model, progress)
-            device = resolve_device(self.config.device)
-            cpu_ops = self._cpu_ops(device, progress)
-            self.plan = plan_for_folder(folder, self.config.dtype, device, self.config.quantize, cpu_ops)
-            placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
+            folder, device, dtype = resolve_model(model, progress), resolve_device(self.config.device), self.config.dtype
+        else:
+            folder, device, dtype = loaded.folder, loaded.device, loaded.dtype
+        cpu_ops = self._cpu_ops(device, progress)
+        # How every weight is kept and what runs it: one decision (models/weight_plan.py), applied as layers load.
+        self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops)
+        placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
+        if loaded is None:
             loaded = load_model(folder, str(self.plan.dtype).removeprefix("torch."), self.config.device,
                                 max_positions=self._context_cap_for(folder),
                                 layer_ready=placer.layer_ready, layer_provided=placer.layer_provided)
             model = model or DEFAULT_MODEL_NAME
-        else:
-            cpu_ops = self._cpu_ops(loaded.device, progress)
-            self.plan = plan_for_folder(loaded.folder, loaded.dtype, loaded.device, self.config.quantize, cpu_ops)
-            placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
         placer.finish(loaded.model)
-        self.quantize = self.plan.quantize
         self.loaded = loaded
         self.model_name = model or loaded.folder.name
         self.tokenizer = loaded.tokenizer
@@ -158,6 +156,11 @@ class Engine:
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+    @property
+    def quantize(self) -> str:
+        """The --quantize this engine runs (auto resolved): its weight plan's."""
+        return self.plan.quantize
 
     def _cpu_ops(self, device: torch.device, progress: Callable[[str], None] | None) -> CpuOps | None:
         """pagecli's compiled CPU kernels (None on a GPU, or when they cannot be built: then say so once)."""
