@@ -21,7 +21,8 @@ from pagecli.batch.submit import line_sampling
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.config.profiles import parse_profile
 from pagecli.engine import Engine
-from pagecli.engine.sampler import kept_weights, make_random, sample
+from pagecli.engine.sampler import make_random, sample
+from pagecli.engine.sampler_torch import kept_weights
 from pagecli.engine.sequence import Sequence
 from pagecli.errors import PagecliError
 from pagecli.models.loader import load_model

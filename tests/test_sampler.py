@@ -14,7 +14,8 @@ import torch
 
 from native_levels import ops, skip_without_native  # noqa: F401 - ops: the fixture, once per compiled level
 from pagecli.config import SamplingParams
-from pagecli.engine.sampler import RandomStream, make_random, sample, sample_rows_torch, skip_draw, uniform_of
+from pagecli.engine.sampler import RandomStream, make_random, sample, skip_draw
+from pagecli.engine.sampler_torch import round_uniforms, sample_rows_torch
 from pagecli.engine.sequence import Sequence
 from sampling_reference import reference_probs
 
@@ -40,7 +41,7 @@ def draw_many(path, logits: list[float], params: SamplingParams, draws: int = DR
     words = [rng.getrandbits(64) for _ in range(draws)]
     rows = torch.tensor([logits], dtype=torch.float32).expand(draws, -1)
     if path == "torch":
-        return sample_rows_torch(rows, [params] * draws, [uniform_of(w) for w in words])
+        return sample_rows_torch(rows, [params] * draws, words)
     return path.sample_rows(rows, [params.temperature] * draws, [params.top_k] * draws, [params.top_p] * draws,
                             [params.min_p] * draws, words)
 
@@ -145,6 +146,41 @@ def test_the_kernel_reads_bfloat16_and_float16_logits_as_their_values(ops):
     assert ops.sample_rows(logits.bfloat16(), *args) == ops.sample_rows(logits.bfloat16().float(), *args)
     assert ops.sample_rows(logits.half(), *args) == exact  # these logits are exact in float16
     assert all(reference_probs(LOGITS, params)[t] > 0 for t in exact)
+
+
+def kernel_uniform(word: int, round_: int) -> float:
+    """native/sampling.cpp's `uniform(random, round)`, written out: splitmix64 of the word moved by round
+    golden ratios (the word itself for round 0), its top 53 bits."""
+    mask = (1 << 64) - 1
+    z = (word + round_ * 0x9E3779B97F4A7C15) & mask
+    if round_:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def test_the_tensor_paths_uniform_numbers_are_the_kernels():
+    rng = random.Random(11)
+    words = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, *(rng.getrandbits(64) for _ in range(200))]
+    expected = [[kernel_uniform(w, r) for r in range(5)] for w in words]
+    assert round_uniforms(words, 5, torch.device("cpu")).tolist() == expected
+
+
+@pytest.mark.parametrize("name", FILTERS)
+def test_the_tensor_path_draws_the_kernels_token_from_the_same_word(ops, name):
+    """A seeded request samples the same ids on a GPU (the tensor path) as on the CPU kernel: peaked,
+    middling and flat rows (where top-p's rejection runs out of rounds), masked tails, one word each."""
+    params = SamplingParams(**FILTERS[name])
+    gen = torch.Generator().manual_seed(3)
+    rows = 192
+    logits = torch.randn(rows, 3000, generator=gen) * torch.tensor([0.3, 3.0, 12.0]).repeat(rows // 3)[:, None]
+    logits[::7, 1500:] = float("-inf")
+    rng = random.Random(name)
+    words = [rng.getrandbits(64) for _ in range(rows)]
+    kernel = ops.sample_rows(logits, [params.temperature] * rows, [params.top_k] * rows, [params.top_p] * rows,
+                             [params.min_p] * rows, words)
+    assert sample_rows_torch(logits, [params] * rows, words) == kernel
 
 
 def sequences(params: list[SamplingParams]) -> list[Sequence]:

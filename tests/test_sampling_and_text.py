@@ -9,8 +9,13 @@ import torch
 
 from pagecli.config import SamplingParams
 from pagecli.engine.detokenizer import IncrementalDetokenizer
-from pagecli.engine.sampler import apply_repetition_penalty, draw_rows, kept_weights
+from pagecli.engine.sampler import apply_repetition_penalty
+from pagecli.engine.sampler_torch import draw, kept_weights
 from pagecli.errors import PagecliError
+
+
+def draw_rows(weights: torch.Tensor, uniforms: list[float]) -> list[int]:
+    return draw(weights, torch.tensor(uniforms, dtype=torch.float64)).tolist()
 
 
 def kept(logits: list[float], params: SamplingParams) -> list[bool]:

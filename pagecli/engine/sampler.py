@@ -10,17 +10,18 @@ renormalised over what every filter kept; the drawn distribution is exactly that
 2. the grammar's mask (structured output): the tokens it forbids get -inf;
 3. temperature: weights e = exp((logit - top logit) / temperature); temperature 0 is greedy, the first
    token of the largest logit after 1 and 2;
-4. top_k: the k heaviest tokens (all of those tied with the k-th);
+4. top_k: the k tokens of largest logit (all of those tied with the k-th), the same as the k heaviest
+   but where rounding gives two logits one weight;
 5. top_p: of those, the tokens whose heavier tokens hold less than top_p of the kept weight (the
    smallest set that reaches top_p, all of those tied at its edge);
 6. min_p: of those, the tokens of weight at least min_p times the top token's.
 
 Logits on the CPU with pagecli's kernels go to `sample_rows` (native/sampling.cpp: no sort of the
 vocabulary; top-p by rejection against pivots); elsewhere (a GPU, or no kernels) `sample_rows_torch`
-keeps the same sets with tensor operations on the logits' device. Each sampled sequence has its own
-random stream (`RandomStream`): the same seed gives the same tokens whatever else shares the batch; the
-candidates of an n > 1 request each have their own. The CPU kernel and the tensor path may draw
-different tokens from the same seed (the kernel can take several uniform numbers for one token).
+(engine/sampler_torch.py) makes the kernel's sets and draws with tensor operations on the logits'
+device. Each sampled sequence has its own random stream (`RandomStream`): the same seed gives the same
+tokens whatever else shares the batch, and on the CPU kernel and the tensor path alike; the candidates
+of an n > 1 request each have their own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from pagecli.config.settings import SamplingParams
+from pagecli.engine.sampler_torch import sample_rows_torch
 from pagecli.engine.sequence import Sequence
 from pagecli.native.interface import CpuOps
 
@@ -55,11 +57,6 @@ class RandomStream:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         return z ^ (z >> 31)
-
-
-def uniform_of(word: int) -> float:
-    """The uniform number in [0, 1) that a random word stands for (its top 53 bits)."""
-    return (word >> 11) * 2.0**-53
 
 
 def make_random(sampling: SamplingParams, candidate_index: int = 0) -> RandomStream | None:
@@ -100,7 +97,7 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None 
             drawn = ops.sample_rows(rows, [p.temperature for p in params], [p.top_k for p in params],
                                     [p.top_p for p in params], [p.min_p for p in params], words)
         else:
-            drawn = sample_rows_torch(rows, params, [uniform_of(w) for w in words])
+            drawn = sample_rows_torch(rows, params, words)
         for row, token in zip(sampled, drawn):
             # -1: nothing drawable. A constrained row keeps it (its grammar left no token: the engine ends
             # that request alone); any other row (every logit NaN or -inf) takes its argmax.
@@ -162,85 +159,3 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
     values = logits[seen]
     logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     return logits
-
-
-def sample_rows_torch(logits: torch.Tensor, params: SequenceOf[SamplingParams], uniforms: list[float]) -> list[int]:
-    """Filters 3-6 and a draw for rows [rows, vocab] with tensor operations on their device, keeping the sets
-    the CPU kernel keeps; -1 for a row with no drawable token."""
-    weights = kept_weights(logits, params)
-    return draw_rows(weights, uniforms)
-
-
-def kept_weights(logits: torch.Tensor, params: SequenceOf[SamplingParams]) -> torch.Tensor:
-    """Each row's weights after filters 3-6, zero where a filter dropped the token: [rows, vocab] float32."""
-    rows, vocab = logits.shape
-    device = logits.device
-    x = logits.float()
-    x = torch.where(torch.isnan(x), float("-inf"), x)  # [rows, vocab] (nan_to_num would make -inf finite)
-    top = x.max(dim=-1, keepdim=True).values  # [rows, 1]
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    finite_top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    e = torch.exp((x - finite_top) / temperature)  # weights: [rows, vocab]
-    # A row whose top logit is +inf: its +inf tokens share everything (the limit of their softmax).
-    e = torch.where(top == float("inf"), (x == float("inf")).float(), e)
-    tau = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [rows, 1]
-    base = e
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        largest = torch.topk(e, max(top_k), dim=-1).values  # [rows, max k]
-        index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device).unsqueeze(1)
-        kth = torch.where(torch.tensor(top_k, device=device).unsqueeze(1) > 0, largest.gather(1, index), 0.0)
-        tau = torch.maximum(tau, kth)
-        base = torch.where(e >= kth, e, 0.0)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device).unsqueeze(1)
-    if bool((top_p < 1.0).any()):
-        tau = torch.maximum(tau, torch.where(top_p < 1.0, _top_p_threshold(base, top_p), 0.0).float())
-    return torch.where(e >= tau, e, 0.0)
-
-
-def _top_p_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, the largest value v such that the weights >= v hold at least top_p of the row's weight: a
-    bisection over the weights' float32 bits (ordered as integers, the weights being >= 0), 31 rounds of a
-    masked sum. [rows, 1]"""
-    bits = weights.contiguous().view(torch.int32)  # [rows, vocab]
-    need = top_p * weights.double().sum(dim=-1, keepdim=True)  # [rows, 1]
-    lo = torch.zeros_like(need, dtype=torch.int64)  # weights >= 0 hold everything, so >= need
-    hi = torch.full_like(lo, 0x7F800001)  # above +inf: holds nothing
-    for _ in range(31):
-        mid = (lo + hi) // 2
-        held = torch.where(bits >= mid, weights, 0.0).double().sum(dim=-1, keepdim=True)
-        enough = held >= need
-        lo = torch.where(enough, mid, lo)
-        hi = torch.where(enough, hi, mid)
-    return lo.to(torch.int32).view(torch.float32)
-
-
-_CHUNK = 256  # tokens a draw's second search runs over
-
-
-def draw_rows(weights: torch.Tensor, uniforms: list[float]) -> list[int]:
-    """One token per row of `weights` [rows, vocab] (any non-negative scale), by the inverse of the row's
-    cumulative weight: the first token whose cumulative weight passes the row's uniform number times its
-    total, in float64. The search runs in two steps, over the sums of 256-token chunks and then within the
-    chunk it lands in. A token of weight 0 is never chosen; -1 for a row that weighs nothing."""
-    rows, vocab = weights.shape
-    padded = torch.nn.functional.pad(weights, (0, -vocab % _CHUNK)) if vocab % _CHUNK else weights
-    chunks = padded.reshape(rows, -1, _CHUNK)
-    chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, chunks]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=weights.device)
-    target = (u * chunk_cdf[:, -1]).unsqueeze(1)  # [rows, 1]
-    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=chunk_cdf.shape[1] - 1)  # [rows, 1]
-    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
-    inside = chunks.gather(1, chunk.unsqueeze(2).expand(rows, 1, _CHUNK)).squeeze(1).double().cumsum(dim=-1)
-    offset = torch.searchsorted(inside + before, target, right=True)
-    picked = chunk * _CHUNK + offset  # [rows, 1]
-    # Rounding at a chunk's end can pass every token of the chunk it landed in: take its last possible one.
-    stray = (offset >= _CHUNK) | (picked >= vocab) | (weights.gather(1, picked.clamp(max=vocab - 1)) == 0)
-    tokens = picked.squeeze(1).tolist()
-    for row in stray.squeeze(1).nonzero().flatten().tolist():
-        end = min(vocab, (int(chunk[row, 0]) + 1) * _CHUNK)
-        possible = weights[row, :end].nonzero()
-        if not len(possible):
-            possible = weights[row].nonzero()
-        tokens[row] = int(possible[-1]) if len(possible) else -1
-    return tokens
