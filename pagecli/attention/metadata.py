@@ -64,14 +64,19 @@ class AttentionMetadata:
         cls,
         query_lens: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         slot_mapping: list[int],
         num_decode_seqs: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        """Build tensors from host lists (one place, so runner and tests agree on the layout)."""
-        max_blocks = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        """Build tensors from host lists (one place, so runner and tests agree on the layout); block_tables
+        may come as the padded [num_seqs, max_blocks] int32 tensor already (engine/block_tables.py)."""
+        if isinstance(block_tables, torch.Tensor):
+            tables = block_tables.to(device)
+        else:
+            max_blocks = max((len(t) for t in block_tables), default=0) or 1
+            padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+            tables = torch.tensor(padded, dtype=torch.int32, device=device)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -79,7 +84,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_tables=tables,
             num_decode_seqs=num_decode_seqs,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),

@@ -13,6 +13,7 @@ import torch
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
 from pagecli.kv_format import KVFormat, resolve_kv_format
+from pagecli.engine.block_tables import KeptBlockTables
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
 
@@ -31,6 +32,7 @@ class ModelRunner:
         self.loaded = loaded
         self.backend = backend
         self.block_size = block_size
+        self.block_tables = KeptBlockTables(loaded.device)
         spec = loaded.spec
         fmt = kv_format or resolve_kv_format("auto", loaded.dtype, spec.head_dim)
         # [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim (+ 2 scale bytes when quantized:
@@ -51,22 +53,26 @@ class ModelRunner:
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_indices: list[int] = []
         bs = self.block_size
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode token (the most common chunk): no ranges
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(table)
             if item.samples:
                 sample_indices.append(len(input_ids) - 1)
         device = self.loaded.device
         num_decode = sum(1 for q in query_lens if q == 1)
+        tables = self.block_tables.gather([item.seq for item in scheduled])  # [num_seqs, max_blocks]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, num_decode, device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
