@@ -100,3 +100,13 @@ def test_a_changed_block_a_shorter_table_and_a_reused_row_are_rewritten():
     assert torch.equal(tables.gather([b, a]), rebuilt([b, a]))
     assert torch.equal(tables.gather([c]), rebuilt([c]))  # a and b's rows given back; c takes one
     assert torch.equal(tables.gather([c, a, b]), rebuilt([c, a, b]))
+
+
+def test_tables_grown_inside_a_step_can_be_written_outside_one():
+    # Steps run under torch.inference_mode; a table grown there must stay writable by a caller outside it.
+    tables = KeptBlockTables(torch.device("cpu"), rows=1, width=1)
+    seqs = [SimpleNamespace(block_table=[1, 2, 3]), SimpleNamespace(block_table=[4])]
+    with torch.inference_mode():
+        tables.gather(seqs)
+    seqs[1].block_table.append(5)
+    assert torch.equal(tables.gather(seqs), rebuilt(seqs))

@@ -99,8 +99,10 @@ class KeptBlockTables:
 
     def _grow(self, rows: int, width: int) -> None:
         old_rows, old_width = self.table.shape
-        table = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pinned)
-        table[:old_rows, :old_width] = self.table
+        # A plain tensor even when a step grows it under inference mode, so later writes from outside it work.
+        with torch.inference_mode(False):
+            table = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pinned)
+            table[:old_rows, :old_width] = self.table
         self.table = table
         self._written.extend([None] * (rows - old_rows))
         self._free = list(range(rows - 1, old_rows - 1, -1)) + self._free
