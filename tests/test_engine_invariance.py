@@ -101,6 +101,19 @@ def test_stop_string_truncates_text_and_finishes(tiny_model_factory):
     assert out.text == full[: full.index(stop)]
 
 
+def test_a_stop_string_anywhere_in_the_text_ends_it_at_its_first_occurrence(tiny_model_factory):
+    # The search looks only where a stop can end in the newest text: stops spanning tokens, at the start,
+    # in the middle and at the end of the output must all still be found at their first occurrence.
+    engine = make_engine(tiny_model_factory("llama"))
+    full = engine.generate([PROMPTS[1]], GREEDY)[0].text
+    assert len(full) > 12
+    for start, length in [(0, 3), (3, 7), (len(full) // 2, 5), (len(full) - 4, 4)]:
+        stop = full[start : start + length]
+        sampling = SamplingParams(temperature=0, max_tokens=24, stop=("never in this text", stop), ignore_eos=True)
+        out = engine.generate([PROMPTS[1]], sampling)[0]
+        assert (out.finish_reason, out.text) == ("stop", full[: full.index(stop)]), stop
+
+
 def test_max_tokens_finishes_with_length(tiny_model_factory):
     engine = make_engine(tiny_model_factory("llama"))
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]

@@ -78,15 +78,38 @@ def test_absurd_sampling_values_are_refused_with_a_sentence(bad):
         SamplingParams(**bad)
 
 
-def test_detokenizer_streams_multibyte_characters_whole(tiny_llama):
+@pytest.mark.parametrize("rust_stream", [True, False], ids=["DecodeStream", "windows"])
+def test_detokenizer_streams_multibyte_characters_whole(tiny_llama, rust_stream, monkeypatch):
     from transformers import AutoTokenizer
 
+    from pagecli.engine import detokenizer
+
+    if not rust_stream:
+        monkeypatch.setattr(detokenizer, "_rust_tokenizer", lambda tokenizer: None)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     text = " Très bien, 日本語のテキスト 🚀 naïve"
     ids = tokenizer(text)["input_ids"]
     prompt = tokenizer("Hello world")["input_ids"]
     detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert (detok._stream is not None) == rust_stream
     deltas = [detok.add(i) for i in ids]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
     assert sum(1 for d in deltas if d == "") > 0, "some tokens are partial characters and must wait"
+
+
+def test_both_detokenizers_give_the_same_deltas_on_the_embedded_tokenizer(monkeypatch):
+    from pagecli.engine import detokenizer
+    from pagecli.models.source import prepare_default_model
+    from pagecli.models.tokenizer import load_plain_tokenizer
+
+    tokenizer = load_plain_tokenizer(prepare_default_model())
+    text = "Paged attention, über naïve 日本語のテキスト 🚀.\n\n  def f(x):\n\treturn x  " * 3
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids.insert(20, tokenizer.eos_token_id)  # a special token decodes to nothing
+    prompt = tokenizer.encode("You said:", add_special_tokens=False)
+    stream = IncrementalDetokenizer(tokenizer, prompt)
+    assert stream._stream is not None
+    monkeypatch.setattr(detokenizer, "_rust_tokenizer", lambda tokenizer: None)
+    windows = IncrementalDetokenizer(tokenizer, prompt)
+    assert [stream.add(i) for i in ids] == [windows.add(i) for i in ids]

