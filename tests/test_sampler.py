@@ -205,6 +205,26 @@ def test_a_seeded_request_draws_the_same_tokens_alone_or_in_a_batch(ops, with_ke
     assert tokens_alone == tokens_batched
 
 
+def test_the_device_path_samples_the_kernels_ids_for_every_sampling_field(ops):
+    """sample() without the CPU kernels (a GPU's path: tensor operations, one copy to the host) gives the
+    ids the kernels give for the same logits and seeds, step after step, over every field at once."""
+    fields = [dict(temperature=0), dict(temperature=0.7, top_p=0.95), dict(temperature=1.1, top_k=20),
+              dict(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02), dict(temperature=1.0, min_p=0.1),
+              dict(temperature=0.8, top_p=0.3), dict(temperature=0.7, repetition_penalty=1.3),
+              dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.4),
+              dict(temperature=0.6, logit_bias={5: 4.0, 9: -100.0})]
+    params = [SamplingParams(seed=100 + i, **f) for i, f in enumerate(fields)]
+    gen = torch.Generator().manual_seed(4)
+    on_kernel, on_device = sequences(params), sequences(params)
+    for step in range(12):
+        logits = torch.randn(len(params), 700, generator=gen) * (0.5 + step % 3 * 4)
+        chosen = sample(logits, on_kernel, ops)
+        assert chosen == sample(logits, on_device, None), step
+        for a, b, token in zip(on_kernel, on_device, chosen):  # the penalties see the tokens drawn so far
+            a.token_ids.append(token)
+            b.token_ids.append(token)
+
+
 def test_skipping_a_draw_moves_the_stream_as_a_draw_does():
     drawn, skipped = RandomStream(7), RandomStream(7)
     drawn.next_word()

@@ -33,7 +33,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from pagecli.config.settings import SamplingParams
-from pagecli.engine.sampler_torch import sample_rows_torch
+from pagecli.engine.sampler_torch import sample_rows_tensor, sample_rows_torch
 from pagecli.engine.sequence import Sequence
 from pagecli.native.interface import CpuOps
 
@@ -87,8 +87,10 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None 
         logits = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]
         for row in penalised:
             apply_penalties(logits[row], seqs[row])
-    chosen = _greedy_choices(logits, seqs, constrained, ops)
     sampled = [row for row, seq in enumerate(seqs) if not seq.sampling.greedy]
+    if not constrained and (ops is None or logits.device.type != "cpu"):
+        return _sample_on_device(logits, seqs, sampled)
+    chosen = _greedy_choices(logits, seqs, constrained, ops)
     if sampled:
         rows = logits if len(sampled) == len(seqs) else logits[torch.tensor(sampled, device=logits.device)]
         params = [seqs[row].sampling for row in sampled]
@@ -96,7 +98,7 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None 
         if ops is not None and rows.device.type == "cpu":
             drawn = ops.sample_rows(rows, [p.temperature for p in params], [p.top_k for p in params],
                                     [p.top_p for p in params], [p.min_p for p in params], words)
-        else:
+        else:  # constrained rows without the CPU kernels
             drawn = sample_rows_torch(rows, params, words)
         for row, token in zip(sampled, drawn):
             # -1: nothing drawable. A constrained row keeps it (its grammar left no token: the engine ends
@@ -104,6 +106,21 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None 
             unconstrained_dead_end = token < 0 and seqs[row].grammar is None
             chosen[row] = int(logits[row].float().max(dim=-1).indices) if unconstrained_dead_end else token
     return chosen
+
+
+def _sample_on_device(logits: torch.Tensor, seqs: SequenceOf[Sequence], sampled: list[int]) -> list[int]:
+    """Every row's token with tensor operations on the logits' device (no grammar in the batch), and one
+    copy of the tokens to the host: the argmax of every row, the sampled rows' draws put over theirs."""
+    chosen = logits.max(dim=-1).indices  # [rows]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        rows = logits if len(sampled) == len(seqs) else logits.index_select(0, index)
+        params = [seqs[row].sampling for row in sampled]
+        drawn = sample_rows_tensor(rows, params, [seqs[row].rng.next_word() for row in sampled])
+        greedy = chosen.index_select(0, index)
+        # -1: nothing drawable (every logit NaN or -inf, no grammar): the row's argmax, as on the CPU.
+        chosen = chosen.index_copy(0, index, torch.where(drawn < 0, greedy, drawn))
+    return chosen.tolist()
 
 
 def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: CpuOps | None) -> list[int]:

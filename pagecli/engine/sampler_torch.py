@@ -186,13 +186,18 @@ def kept_weights(logits: torch.Tensor, params: SequenceOf[SamplingParams]) -> to
 def sample_rows_torch(logits: torch.Tensor, params: SequenceOf[SamplingParams], words: list[int]) -> list[int]:
     """Filters 3-6 and a draw for rows [rows, vocab], each with its random word, as the CPU kernel draws
     them; -1 for a row with no drawable token."""
+    return sample_rows_tensor(logits, params, words).tolist()
+
+
+def sample_rows_tensor(logits: torch.Tensor, params: SequenceOf[SamplingParams], words: list[int]) -> torch.Tensor:
+    """sample_rows_torch's tokens as a [rows] int64 tensor on the logits' device (no wait for it)."""
     filtered = RowWeights(logits, params)
     u = round_uniforms(words, MAX_ROUNDS + 1, logits.device)  # [rows, rounds]
     tokens = draw(filtered.kept, u[:, 0])  # the rows decided outright; the rejection rows' first try
     rejection = filtered.rejection.squeeze(1)
     if bool(rejection.any()):
         tokens = torch.where(rejection, _rejection_draws(filtered, u), tokens)
-    return tokens.tolist()
+    return tokens
 
 
 def _rejection_draws(filtered: RowWeights, u: torch.Tensor) -> torch.Tensor:
