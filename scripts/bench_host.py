@@ -54,10 +54,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 class Timers:
-    """Seconds per part in the current step."""
+    """Seconds per part in the current step. With sync (a GPU), each part waits for the device at its end,
+    so a part's time is its launches plus the device work they queued."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: bool = False) -> None:
         self.current: dict[str, float] = defaultdict(float)
+        self.sync = sync
 
     def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,6 +67,8 @@ class Timers:
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.sync:
+                    torch.cuda.synchronize()
                 self.current[part] += time.perf_counter() - start
         return timed
 
@@ -88,13 +92,14 @@ def prompts(count: int, shared_head: bool) -> list[list[int]]:
 
 
 def run_case(folder: Path, seqs: int, sampling: SamplingParams, prefix_caching: bool, steps: int,
-             threads: int) -> dict[str, Any]:
+             threads: int, device: str = "cpu", sync: bool = False) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    config = EngineConfig(dtype="float32", disk_cache=False, enable_prefix_caching=prefix_caching,
+    config = EngineConfig(dtype="float32" if device == "cpu" else "bfloat16", device=device, disk_cache=False,
+                          enable_prefix_caching=prefix_caching,
                           max_num_seqs=max(seqs * sampling.n, 1), num_blocks=max(64, seqs * sampling.n * 8),
                           block_size=16, max_num_batched_tokens=max(2048, seqs * 16), quantize="none")
     engine = Engine(str(folder), config)
-    timers = Timers()
+    timers = Timers(sync)
     instrument(engine, timers)
     for ids in prompts(seqs, shared_head=prefix_caching):
         engine.add_request(ids, sampling)
@@ -131,11 +136,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", default=str(Path.home() / ".cache" / "pagecli-bench" / "models"))
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--tokenizer-dir", default=None,
+                    help="folder with SmolLM2's tokenizer files (default: the embedded model's)")
+    ap.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16, the Triton kernels)")
+    ap.add_argument("--sync-parts", action="store_true",
+                    help="on a GPU, wait for the device at the end of each part (its launches plus its kernels); "
+                         "without it a GPU part is its launches only, and the wait falls in the part that copies")
     args = ap.parse_args()
     from pagecli import native
     from pagecli.models.source import prepare_default_model
 
-    folder = make_model("host-probe", Path(args.models), prepare_default_model())
+    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else prepare_default_model()
+    folder = make_model("host-probe", Path(args.models), tokenizer_dir)
     greedy = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     shipped = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=100_000, ignore_eos=True)
     cases = []
@@ -148,18 +160,20 @@ def main() -> None:
         cases.append(("greedy, JSON schema", seqs,
                       SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True,
                                      structured=StructuredSpec.json_schema(SCHEMA)), True))
-    print(f"CPU: {cpu_model()}; pagecli.native level {native.level()}; {args.threads} thread(s); host-probe model; "
+    where = (f"GPU: {torch.cuda.get_device_name(0)}, bfloat16, parts {'synchronized' if args.sync_parts else 'as launched'}; "
+             if args.device.startswith("cuda") else f"pagecli.native level {native.level()}; ")
+    print(f"CPU: {cpu_model()}; {where}{args.threads} thread(s); host-probe model; "
           f"medians of {args.steps} steady decode steps, ms per step")
     header = f"{'case':34} {'seqs':>5} {'step':>7} {'host':>7} " + " ".join(f"{p:>8}" for p in PARTS)
     print(header)
     rows = []
     for name, seqs, sampling, caching in cases:
-        row = run_case(folder, seqs, sampling, caching, args.steps, args.threads)
+        row = run_case(folder, seqs, sampling, caching, args.steps, args.threads, args.device, args.sync_parts)
         rows.append({"case": name, **row})
         print(f"{name:34} {row['running']:>5.0f} {row['step_ms']:>7.2f} {row['host_ms']:>7.2f} "
               + " ".join(f"{row[p]:>8.2f}" for p in PARTS), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "device": args.device, "threads": args.threads, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

