@@ -34,6 +34,8 @@ FLAG_CASES = {
     "cache_prefix": (["--cache-prefix"], True),
     "quantize": (["--quantize", "int8"], "int8"),
     "kv_dtype": (["--kv-dtype", "int8"], "int8"),
+    "speculate": (["--speculate", "ngram"], "ngram"),
+    "num_speculative_tokens": (["--num-speculative-tokens", "6"], 6),
     "max_tokens": (["--max-tokens", "5"], 5),
     "temperature": (["--temperature", "0.25"], 0.25),
     "top_p": (["--top-p", "0.5"], 0.5),

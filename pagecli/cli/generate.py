@@ -154,8 +154,16 @@ def _summary(engine: Any, total: int, errors: int, tokens: int, elapsed_s: float
         f"Done: {total - errors} completions, {errors} errors; {tokens} tokens in {elapsed_s:.1f} s "
         f"({tokens / max(elapsed_s, 1e-9):.1f} tok/s); prefix cache served {stats.prefix_hit_rate:.0%} of prompt "
         f"tokens ({stats.prefix_disk_hit_tokens / max(stats.prefix_query_tokens, 1):.0%} from disk); "
-        f"{stats.num_preemptions} preemptions{_sharing(stats)}."
+        f"{stats.num_preemptions} preemptions{_sharing(stats)}{_speculation(stats)}."
     )
+
+
+def _speculation(stats: Any) -> str:
+    """How speculative decoding went (--speculate); nothing when no drafts were checked."""
+    if not stats.spec_passes:
+        return ""
+    return (f"; speculation accepted {stats.spec_acceptance:.0%} of {stats.spec_drafts} drafts, "
+            f"{stats.spec_tokens / stats.spec_passes:.2f} tokens per checking pass")
 
 
 def _sharing(stats: Any) -> str:

@@ -93,6 +93,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                            "model's dtype). int8 and fp8 (e4m3) keep one byte per value and a scale per token and "
                            "head: about twice the tokens in the same pool, at a small loss (docs/BENCHMARKS.md).",
         metavar="DTYPE")),
+    Flag("speculate", "speculate", Optional[str], _opt(
+        "--speculate", help="off|ngram: speculative decoding for greedy requests. ngram (prompt lookup) proposes "
+                            "the tokens that followed the latest earlier occurrence of the output's last few "
+                            "tokens and checks them in one pass: the same output token for token, several "
+                            "tokens a step where the output repeats its input (editing, quoting). Default: off.",
+        metavar="KIND")),
+    Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
+        "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),

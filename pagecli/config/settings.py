@@ -19,6 +19,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 # How K/V lie in the pool (pagecli/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
 KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
+SPECULATE_CHOICES = ("off", "ngram")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 # The CPU pool's default size for a cache of bfloat16 or float16 values: 34,000 tokens of SmolLM2-135M, which
@@ -84,9 +85,19 @@ class EngineConfig:
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
     quantize: str = "auto"  # decoder-layer weights at load: auto | none | int8 | int4 | gguf (CPU only)
     kv_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype) | bfloat16 | float16 | float32 | int8 | fp8
+    # Speculative decoding (engine/speculation.py): off | ngram (prompt lookup); greedy requests only.
+    speculate: str = "off"
+    num_speculative_tokens: int = 4  # drafts checked per step and sequence
+    speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
 
     def __post_init__(self) -> None:
         _require_finite_numbers(self)
+        _require(self.speculate in SPECULATE_CHOICES,
+                 f"speculate must be one of {', '.join(SPECULATE_CHOICES)} (got '{self.speculate}').")
+        _require(1 <= self.num_speculative_tokens <= 32,
+                 f"num_speculative_tokens must be between 1 and 32 (got {self.num_speculative_tokens}).")
+        _require(1 <= self.speculate_max_ngram <= 16,
+                 f"speculate_max_ngram must be between 1 and 16 (got {self.speculate_max_ngram}).")
         _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
         _require(self.kv_budget_gib is None or 0 < self.kv_budget_gib <= MAX_GIB,
                  f"kv_budget_gib must be positive and at most {MAX_GIB:.0f} (got {self.kv_budget_gib}).")

@@ -34,8 +34,9 @@ from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.model_runner import ModelRunner
 from pagecli.engine.pool_sizing import pool_num_blocks
 from pagecli.engine.sampler import make_random, sample, skip_draw
-from pagecli.engine.scheduler import Scheduler
+from pagecli.engine.scheduler import Scheduler, SchedulerOutput
 from pagecli.engine.sequence import Sequence
+from pagecli.engine.speculation import Speculator
 from pagecli.engine.stats import EngineStats
 from pagecli.engine.structured import GrammarCompiler
 from pagecli.models.chat_template import apply_chat_template
@@ -151,6 +152,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
         self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
+        self.speculator = Speculator(self.config, self.kv) if self.config.speculate != "off" else None
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0
@@ -333,21 +335,32 @@ class Engine:
 
     # --- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestEvent]:
+        drafted = list(self.scheduler.running) if self.speculator else []
+        if self.speculator:
+            self.speculator.add_drafts(drafted)
         plan = self.scheduler.schedule()
+        if self.speculator:
+            plan = self.speculator.settle(plan, drafted)
         if plan.is_empty:
             raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not a user error
         self.runner.copy_blocks(self.kv.take_pending_copies())  # copy-on-write, before anything writes
         sampled = [item.seq for item in plan.scheduled if item.samples]
         logits = self.runner.execute(plan.scheduled)
+        yielded: dict[int, list[int]] = {}
+        if self.speculator and any(seq.num_draft for seq in sampled):
+            sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)
         for item in plan.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
-            self._prompt_tokens_computed += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start)
-            seq.num_computed_tokens += item.num_new_tokens
+            # A drafting sequence computed its last token and the drafts it keeps (one fewer than it yields).
+            num_new = len(yielded[id(seq)]) if id(seq) in yielded else item.num_new_tokens
+            self._prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+            seq.num_computed_tokens += num_new
             self.kv.commit_full_blocks(seq)
         self._steps += 1
+        events_ahead = self._speculated_tokens(plan, yielded)
         sampled, logits, ended = self.beams.take_rows(sampled, logits)
-        events = [self._beam_event(beam) for beam in ended]
+        events = events_ahead + [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
         for seq, token_id in zip(sampled, sample(logits, sampled, self._sampling_ops)):
             if token_id < 0:  # its grammar allows no token: that request ends here, the others run on
@@ -356,6 +369,21 @@ class Engine:
             events.append(self._on_token(seq, token_id))
             if seq.grammar is not None and len(self.scheduler.running) == 1:
                 events.extend(self._forced_tokens(seq))
+        return events
+
+    def _speculated_tokens(self, plan: SchedulerOutput, yielded: dict[int, list[int]]) -> list[RequestEvent]:
+        """The tokens each drafting sequence yields this step, appended one by one as sampled tokens are
+        (a stop, a length or EOS among them ends it there: the rest are dropped)."""
+        events: list[RequestEvent] = []
+        for item in plan.scheduled:
+            tokens = yielded.get(id(item.seq))
+            if tokens is None:
+                continue
+            self.speculator.give_back_unused_blocks(item.seq)
+            for token_id in tokens:
+                events.append(self._on_token(item.seq, token_id))
+                if item.seq.is_finished:
+                    break
         return events
 
     def _forced_tokens(self, seq: Sequence) -> list[RequestEvent]:
@@ -556,6 +584,7 @@ class Engine:
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
             kv_dtype=self.kv_format.name, quantize=self.quantize, weight_forms=self.plan.summary(),
+            **(self.speculator.counts() if self.speculator else {}),
         )
 
 

@@ -173,6 +173,14 @@ class KVCacheManager:
             seq.block_hashes.append(parent)
             self.pool.register(self.pool.blocks[seq.block_table[i]], parent, tokens)
 
+    def release_last_block(self, seq: Sequence) -> None:
+        """Give back the last block of seq's table, which holds no computed token (speculative decoding's
+        rejected drafts reached it)."""
+        assert len(seq.block_hashes) < len(seq.block_table), "a committed block is never given back alone"
+        block_id = seq.block_table.pop()
+        self.pending_copies.pop(block_id, None)
+        self.pool.release(self.pool.blocks[block_id])
+
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             self.pending_copies.pop(block_id, None)  # a copy into a block given back is not needed

@@ -69,7 +69,10 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             if item.samples:
-                sample_indices.append(len(input_ids) - 1)
+                if seq.num_draft:  # a speculative chunk: every position's logits are checked
+                    sample_indices.extend(range(len(input_ids) - n, len(input_ids)))
+                else:
+                    sample_indices.append(len(input_ids) - 1)
         device = self.loaded.device
         num_decode = sum(1 for q in query_lens if q == 1)
         tables = self.block_tables.gather([item.seq for item in scheduled])  # [num_seqs, max_blocks]

@@ -46,6 +46,7 @@ class Sequence:
     rng: Any = None  # engine/sampler.RandomStream of a sampled sequence (None when greedy)
     candidate_index: int = 0  # which of the request's n candidates this is
     forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
+    num_draft: int = 0  # draft tokens at the end of token_ids for this step only (engine/speculation.py)
     grammar: Any = None  # engine/structured.GrammarState when the request constrains its output
 
     @property

@@ -51,6 +51,16 @@ class EngineStats:
     kv_dtype: str = ""  # the KV cache's format (--kv-dtype resolved: the model's dtype, or int8/fp8/...)
     quantize: str = "none"  # the decoder weights' form (--quantize resolved: none, int8, int4, gguf)
     weight_forms: str = ""  # how the weights are kept, in a few words (models.weight_plan.WeightPlan.summary)
+    # Speculative decoding (engine/speculation.py): drafts checked and accepted, sequence-steps that checked
+    # drafts and the tokens those steps yielded (tokens per pass = spec_tokens / spec_passes).
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_passes: int = 0
+    spec_tokens: int = 0
+
+    @property
+    def spec_acceptance(self) -> float:
+        return self.spec_accepted / self.spec_drafts if self.spec_drafts else 0.0
 
     @property
     def kv_bytes_used(self) -> int:
@@ -90,5 +100,5 @@ class EngineStats:
         data.pop("block_states")
         data.update(kv_bytes_used=self.kv_bytes_used, tokens_that_fit=self.tokens_that_fit,
                     blocks_saved_by_sharing=self.blocks_saved_by_sharing,
-                    prefix_hit_rate=round(self.prefix_hit_rate, 6))
+                    prefix_hit_rate=round(self.prefix_hit_rate, 6), spec_acceptance=round(self.spec_acceptance, 6))
         return data

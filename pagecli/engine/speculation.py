@@ -1,0 +1,128 @@
+"""Speculative decoding inside the step: drafts proposed before scheduling, checked after the forward.
+
+Before a step is scheduled, each eligible decoding sequence (greedy and plain: no grammar, penalty,
+logit bias, forks or beams) gets up to K draft tokens from prompt lookup (engine/ngram_proposer.py),
+appended to its tokens for the step alone: the scheduler then gives it a chunk of 1 + K tokens, as it
+gives a prefill chunk, and the runner returns logits for every position of that chunk. After the
+forward, the model's own greedy choice at each position is compared with the next draft: the drafts
+up to the first disagreement are accepted, and the model's choice there (or after the last draft) is
+one more token, so a step yields 1 to K + 1 tokens, each exactly the token plain greedy decoding gives
+(each position's logits see the same tokens before it). The drafts are taken back out of the tokens
+before anything else reads them: the KV of the accepted ones is kept (their positions count as
+computed), the rest is left to be overwritten, and blocks that only rejected drafts reached go back to
+the pool. A sequence the scheduler could not give its whole chunk (the token budget, a preemption)
+has its drafts taken back and runs a plain decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+
+from pagecli.config.settings import EngineConfig
+from pagecli.engine.kv_cache_manager import KVCacheManager
+from pagecli.engine.ngram_proposer import propose
+from pagecli.engine.sampler import sample
+from pagecli.engine.scheduler import SchedulerOutput
+from pagecli.engine.sequence import Sequence
+from pagecli.native.interface import CpuOps
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether a sequence may take drafts: greedy without anything that makes a token depend on more than
+    its logits row (grammar, penalties, bias), one candidate, no beams; decoding (all but its last
+    token computed)."""
+    params = seq.sampling
+    return (params.greedy and seq.grammar is None and params.num_sequences == 1 and params.beam_width == 1
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.logit_bias
+            and seq.num_tokens > seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1)
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.num_tokens = config.num_speculative_tokens
+        self.max_ngram = config.speculate_max_ngram
+        self.kv = kv
+        self.proposed = 0  # drafts checked
+        self.accepted = 0  # drafts the model agreed with
+        self.passes = 0  # sequence-steps that checked drafts
+        self.tokens = 0  # tokens those steps yielded (accepted drafts and one more each)
+
+    def counts(self) -> dict[str, int]:
+        """The counters as EngineStats' spec_* fields."""
+        return {"spec_drafts": self.proposed, "spec_accepted": self.accepted, "spec_passes": self.passes,
+                "spec_tokens": self.tokens}
+
+    def add_drafts(self, running: Iterable[Sequence]) -> None:
+        for seq in running:
+            if not speculates(seq):
+                continue
+            room = min(self.num_tokens, seq.max_model_len - seq.num_tokens - 1,
+                       seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
+            drafts = propose(seq.token_ids, room, self.max_ngram)
+            if drafts:
+                seq.token_ids.extend(drafts)
+                seq.num_draft = len(drafts)
+
+    def settle(self, plan: SchedulerOutput, drafted: Iterable[Sequence]) -> SchedulerOutput:
+        """The plan with every sequence whose drafts the scheduler did not take whole back to a plain
+        decode (or to nothing, where it was not scheduled or was preempted)."""
+        whole = {id(item.seq) for item in plan.scheduled if item.seq.num_draft and item.samples}
+        cut = False
+        for seq in drafted:
+            if seq.num_draft and id(seq) not in whole:
+                self._take_back(seq)
+                self.give_back_unused_blocks(seq)  # slots the scheduler gave the drafts
+                cut = True
+        if not cut:
+            return plan
+        scheduled = [replace(item, num_new_tokens=min(item.num_new_tokens, item.seq.num_uncomputed_tokens))
+                     for item in plan.scheduled]
+        scheduled = [item for item in scheduled if item.num_new_tokens]
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, as the scheduler leaves them
+        return SchedulerOutput(scheduled, plan.num_preempted)
+
+    def verify(self, sampled: list[Sequence], logits: torch.Tensor, ops: CpuOps | None
+               ) -> tuple[list[Sequence], torch.Tensor, dict[int, list[int]]]:
+        """Split the step's logits rows: the plain sequences with their rows, and for each drafting
+        sequence (by id) the tokens it yields. Drafts are taken back out of the tokens here."""
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        yielded: dict[int, list[int]] = {}
+        row = 0
+        for seq in sampled:
+            count = 1 + seq.num_draft
+            if not seq.num_draft:
+                plain.append(seq)
+                plain_rows.append(row)
+            else:
+                drafts = seq.token_ids[-seq.num_draft :]
+                choices = sample(logits[row : row + count], [seq] * count, ops)  # greedy: each row's argmax
+                accepted = 0
+                while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
+                    accepted += 1
+                self.proposed += len(drafts)
+                self.accepted += accepted
+                self.passes += 1
+                self.tokens += accepted + 1
+                self._take_back(seq)
+                yielded[id(seq)] = choices[: accepted + 1]
+            row += count
+        if len(plain) != len(sampled):
+            logits = logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
+        return plain, logits, yielded
+
+    def give_back_unused_blocks(self, seq: Sequence) -> None:
+        """Release the blocks past those the sequence's computed tokens and its next one need (reached
+        only by rejected drafts)."""
+        keep = self.kv.blocks_for_tokens(seq.num_computed_tokens + 1)
+        while len(seq.block_table) > keep:
+            self.kv.release_last_block(seq)
+
+    @staticmethod
+    def _take_back(seq: Sequence) -> None:
+        del seq.token_ids[-seq.num_draft :]
+        seq.num_draft = 0

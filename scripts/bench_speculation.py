@@ -1,0 +1,114 @@
+"""Speculative decoding by prompt lookup on an editing workload (issue 50): single-stream greedy decode
+with and without `--speculate ngram`, alternating, and whether the outputs are the same.
+
+    .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
+    .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
+
+The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
+excerpt of this repository's own code or docs (as they were when the set was made) with an instruction
+to return it with a small change. The embedded model (SmolLM2-135M-Instruct) at the defaults a user gets
+(dtype and --quantize auto), chat template applied, one request at a time, 2 threads. Prints output
+tokens per second over the whole set, median [range] of the repetitions, per configuration, the drafts'
+acceptance and tokens per checking pass, and the number of requests whose output differs from
+speculation off (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.doctor import cpu_model
+from pagecli.engine import Engine
+
+SET = Path(__file__).resolve().parent / "data" / "edit_set.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [  # (file, instruction)
+    *[(f"pagecli/engine/{name}.py", "Return this Python file unchanged except that every comment line is removed.")
+      for name in ("block_pool", "scheduler", "kv_cache_manager", "sequence", "beam", "hashing", "heap",
+                   "detokenizer", "pool_sizing", "model_runner")],
+    *[(f"docs/{name}", "Return this text with every British spelling changed to American spelling, and "
+                       "nothing else changed.")
+      for name in ("ARCHITECTURE.md", "RELIABILITY.md", "prefix-store.md", "serve-api.md", "GPU.md",
+                   "RAY.md", "bench-json.md", "BENCHMARKS.md", "benchmarks/sampling.md",
+                   "benchmarks/host-time.md")],
+]
+
+
+def make_set(tokenizer) -> None:
+    lines = []
+    for path, instruction in SOURCES:
+        text = (ROOT / path).read_text()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        excerpt = tokenizer.decode(ids[: 300 + len(lines) * 15], skip_special_tokens=True)  # 300-585 tokens
+        lines.append(json.dumps({"source": path, "messages": [
+            {"role": "user", "content": f"{instruction}\n\n{excerpt}"}]}))
+    SET.write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} requests to {SET}")
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[int, ...]]]:
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs, tokens, start = [], 0, time.perf_counter()
+    for prompt in prompts:
+        done = engine.generate([prompt], sampling)[0]
+        outputs.append(done.token_ids)
+        tokens += done.completion_tokens
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--k", default="4,8", help="comma-separated num_speculative_tokens to try")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--make-set", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = {"off": EngineConfig(disk_cache=False, threads=args.threads)}
+    for k in (int(v) for v in args.k.split(",")):
+        configs[f"ngram k={k}"] = EngineConfig(disk_cache=False, threads=args.threads, speculate="ngram",
+                                               num_speculative_tokens=k)
+    engines = {name: Engine(None, config) for name, config in configs.items()}
+    tokenizer = next(iter(engines.values())).tokenizer
+    if args.make_set:
+        make_set(tokenizer)
+        return
+    requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
+                                add_special_tokens=False) for r in requests]
+    print(f"CPU: {cpu_model()}; {args.threads} threads; {len(prompts)} editing requests "
+          f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), one at a time, greedy, "
+          f"max_tokens {args.max_tokens}; output tok/s over the set")
+    speeds: dict[str, list[float]] = {name: [] for name in engines}
+    reference: list[tuple[int, ...]] | None = None
+    differing: dict[str, int] = {name: 0 for name in engines}
+    for rep in range(args.reps):
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        for name in order:
+            speed, outputs = run(engines[name], prompts, args.max_tokens)
+            speeds[name].append(speed)
+            if name == "off":
+                reference = outputs if reference is None else reference
+            elif reference is not None:
+                differing[name] = max(differing[name], sum(a != b for a, b in zip(outputs, reference)))
+            print(f"  rep {rep + 1} {name:10} {speed:7.1f} tok/s", flush=True)
+    base = statistics.median(speeds["off"])
+    for name, values in speeds.items():
+        stats = engines[name].stats()
+        extra = "" if not stats.spec_passes else (
+            f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} tokens per pass, "
+            f"outputs differing from off: {differing[name]}")
+        print(f"{name:10} {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}] tok/s "
+              f"({statistics.median(values) / base:.2f}x){extra}")
+
+
+if __name__ == "__main__":
+    main()

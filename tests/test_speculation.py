@@ -1,0 +1,91 @@
+"""Speculative decoding by prompt lookup (engine/speculation.py): the same greedy output with and without
+it, under every kind of step, fewer steps where the output repeats the prompt, and the pool sound."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagecli.config import EngineConfig, SamplingParams
+from pagecli.engine import Engine
+from pagecli.engine.ngram_proposer import propose
+from pagecli.models.loader import load_model
+
+# Prompts that repeat themselves, so a random model's greedy output (which loops) and lookup meet.
+PROMPTS = [
+    "one two three four five six seven one two three four five six seven one two three",
+    "Paged attention keeps the KV cache in fixed-size blocks. " * 4,
+    "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n" * 2,
+    "fox",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def make_engine(folder, **config) -> Engine:
+    settings = {"dtype": "float32", "device": "cpu", "attention": "torch", "block_size": 4, "num_blocks": 512,
+                **config}
+    return Engine(config=EngineConfig(**settings), loaded=load_model(folder, "float32", "cpu", max_positions=512))
+
+
+def outputs(engine: Engine, prompts=PROMPTS, sampling=GREEDY) -> list[tuple[tuple[int, ...], str, str]]:
+    done = engine.generate(prompts, sampling)
+    engine.pool.check_invariants()
+    assert engine.stats().blocks_active == 0, "a finished batch left active blocks"
+    return [(c.token_ids, c.text, c.finish_reason) for c in done]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert propose([5, 6, 7], 4) == []  # nothing repeats
+    assert propose([4, 4, 4, 4], 2) == [4]  # the latest earlier match, cut at the end of what is known
+    assert propose([1, 2, 1, 2], 0) == []
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"num_speculative_tokens": 1}, {"num_speculative_tokens": 8},
+    {"max_num_batched_tokens": 6},  # drafts cut by the token budget
+    {"num_blocks": 40},  # preemption
+    {"enable_prefix_caching": False},
+], ids=["k4", "k1", "k8", "tiny budget", "preemption", "no prefix caching"])
+def test_greedy_output_is_the_same_with_and_without_speculation(tiny_model_factory, config):
+    folder = tiny_model_factory("llama")
+    plain = outputs(make_engine(folder, **config))
+    engine = make_engine(folder, speculate="ngram", **config)
+    assert outputs(engine) == plain
+    assert engine.speculator.passes > 0, "no drafts were checked"
+
+
+def test_stops_and_lengths_end_a_speculated_run_where_plain_decoding_ends_it(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    engine = make_engine(folder)
+    full = engine.generate([PROMPTS[0]], GREEDY)[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    for sampling in (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                     SamplingParams(temperature=0, max_tokens=40, stop=(stop,), ignore_eos=True)):
+        assert outputs(make_engine(folder, speculate="ngram"), [PROMPTS[0]], sampling) == \
+            outputs(make_engine(folder), [PROMPTS[0]], sampling)
+
+
+def test_sampled_requests_run_beside_speculating_ones_unchanged(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    plain, fast = make_engine(folder), make_engine(folder, speculate="ngram")
+    for engine in (plain, fast):
+        engine.add_request(PROMPTS[0], GREEDY, request_id="g")
+        engine.add_request(PROMPTS[1], sampled, request_id="s")
+    results = []
+    for engine in (plain, fast):
+        texts: dict[str, list[int]] = {"g": [], "s": []}
+        while engine.has_unfinished:
+            for event in engine.step():
+                texts[event.request_id].extend(event.token_ids)
+        results.append(texts)
+    assert results[0] == results[1]
+
+
+def test_speculation_takes_fewer_steps_where_the_output_repeats(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    plain, fast = make_engine(folder), make_engine(folder, speculate="ngram")
+    outputs(plain, [PROMPTS[0]])
+    outputs(fast, [PROMPTS[0]])
+    assert fast.speculator.accepted > 0
+    assert fast.stats().num_steps < plain.stats().num_steps
