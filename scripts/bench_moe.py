@@ -4,9 +4,9 @@
     .venv/bin/python scripts/bench_moe.py --model DIR/olmoe-1b-7b [--llama-cpp BUILD_BIN] [--gguf FILE]
         [--quantize int4] [--reps 3] [--threads 2] [--only pp512,tg128]
 
-The model is OLMoE-1B-7B's shape with random weights (scripts/make_shape_models.py: 6.85B parameters, 64
-experts of which a token takes 8, 1.26B active). Figures, each run in a process of its own, the contenders
-alternating within every repetition; medians with the range:
+The model is OLMoE-1B-7B's shape with random weights (scripts/make_shape_models.py: 6.91B parameters, 64
+experts of which a token takes 8: 1.17B active besides the embedding table). Figures, each run in a process
+of its own, the contenders alternating within every repetition; medians with the range:
   pp512  a 512-token prompt prefilled (tokens/s), as llama-bench -p 512
   tg128  128 tokens decoded after a 1-token prompt (tokens/s), as llama-bench -n 128
   rss    the process's resident memory at its end and its peak (GB, /proc's VmRSS and VmHWM for pagecli;

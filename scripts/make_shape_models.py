@@ -20,7 +20,7 @@ SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
                  layer: 6.88B (Llama-2-7B's shape with this vocabulary; 13.8 GB of bf16, in shards of
                  about 2 GB, built one at a time so that making it needs about 2 GB of memory)
   olmoe-1b-7b    OLMoE-1B-7B: 16 layers, hidden 2048, 16 heads, 64 experts of width 1024, 8 per token,
-                 q/k norms over the whole projection, its own output layer: 6.85B, 1.26B active per token
+                 q/k norms over the whole projection, its own output layer: 6.91B, 1.17B active per token
                  (this vocabulary instead of its 50,304; 13.7 GB of bf16 in shards)
 
 llama.cpp's converter also needs the `sentencepiece` package in the python that runs it.

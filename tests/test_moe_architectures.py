@@ -124,6 +124,22 @@ def test_a_decode_token_runs_only_its_chosen_experts_once_each(tiny_model_factor
         assert decode == [1, 1, 1, 1]  # two decode steps, two experts each
 
 
+def test_a_lone_token_gets_what_it_gets_in_a_batch(tiny_model_factory):
+    """The one-token path (a decode step of one sequence) and the grouped path give each row the same output,
+    and both equal a dense reference that runs every expert on every token and weights all but the top k by 0."""
+    model = load_model(tiny_model_factory("mixtral"), "float32", "cpu", max_positions=64).model
+    moe = model.model.layers[0].mlp
+    x = torch.randn(7, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        batch = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(7)])
+        weights, chosen = moe.route(x)
+        dense = torch.zeros(7, len(moe.experts)).scatter_(1, chosen, weights)  # [tokens, experts]
+        expected = sum(dense[:, e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
+    torch.testing.assert_close(alone, batch, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-5)
+
+
 def _next_token_logits(folder, prompts, **config) -> torch.Tensor:
     """The logits each prompt gives for its next token [len(prompts), vocab] (one step, no decoding)."""
     engine = engine_for(folder, **config)

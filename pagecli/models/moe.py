@@ -54,6 +54,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         weights, chosen = self.route(x)
+        if x.shape[0] == 1:
+            return self._one_token(x, weights, chosen)
         pairs = chosen.flatten()  # [num_tokens * top_k]: pair p is token p // top_k's choice
         order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert
         counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
@@ -67,3 +69,13 @@ class SparseMoE(nn.Module):
                 start += count
         grouped = torch.cat(outputs) * weights.flatten()[order].unsqueeze(1)  # [pairs, hidden]
         return torch.zeros_like(x).index_add_(0, tokens, grouped)  # [num_tokens, hidden]
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A lone decode token: its k experts on its one row, added in expert order as forward's index_add_
+        adds them (the same bits as the token in any batch), without the grouping's sort and gathers."""
+        picked = chosen[0].tolist()
+        out = None
+        for slot in sorted(range(self.top_k), key=picked.__getitem__):
+            y = self.experts[picked[slot]](x) * weights[:, slot:slot + 1]  # [1, hidden]
+            out = y if out is None else out.add_(y)
+        return out
