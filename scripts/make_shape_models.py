@@ -19,6 +19,9 @@ SmolLM2's tokenizer under the Qwen2 architecture: say so beside figures):
   llama2-7b      32 layers, hidden 4096, 32 heads (no GQA), head size 128, MLP 11008, its own output
                  layer: 6.88B (Llama-2-7B's shape with this vocabulary; 13.8 GB of bf16, in shards of
                  about 2 GB, built one at a time so that making it needs about 2 GB of memory)
+  olmoe-1b-7b    OLMoE-1B-7B: 16 layers, hidden 2048, 16 heads, 64 experts of width 1024, 8 per token,
+                 q/k norms over the whole projection, its own output layer: 6.91B, 1.17B active per token
+                 (this vocabulary instead of its 50,304; 13.7 GB of bf16 in shards)
 
 llama.cpp's converter also needs the `sentencepiece` package in the python that runs it.
 """
@@ -62,6 +65,11 @@ SHAPES = {
                       num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
                       mlp_bias=False),
+    "olmoe-1b-7b": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], hidden_size=2048,
+                        intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None),
 }
 SHARD_BYTES = 2 * 1024**3  # past this a model is written in shards, each built and freed in turn
 VOCAB = 49152
@@ -84,9 +92,18 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
             p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
             p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         })
+        if config.get("num_experts"):  # OLMoE: a router, each expert's gated MLP, q/k norms over the projection
+            shapes[p + "self_attn.q_norm.weight"] = (heads * head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv_heads * head_dim,)
+            shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)
+            for e in range(config["num_experts"]):
+                shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (inter, hidden),
+                               p + f"mlp.experts.{e}.up_proj.weight": (inter, hidden),
+                               p + f"mlp.experts.{e}.down_proj.weight": (hidden, inter)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                           p + "mlp.down_proj.weight": (hidden, inter)})
     return shapes
 
 

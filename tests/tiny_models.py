@@ -90,11 +90,30 @@ def tiny_config(arch: str, **overrides):
 
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
         return Phi3Config(**{**common, "rope_parameters": rope, "pad_token_id": 0, **overrides})
+    # Mixtures of experts: 8 experts, 2 per token, so a prompt's tokens spread over several groups.
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**{**common, "intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                "sliding_window": None, **overrides})
+    if arch == "qwen3_moe":  # Qwen3-MoE with its dense MLP on the second of three layers (mlp_only_layers)
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3, "head_dim": 32, "num_experts": 8,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                 "mlp_only_layers": [1], **overrides})
+    if arch == "olmoe":  # OLMoE: q/k norms over the whole projection, the top k probabilities not renormalised
+        from transformers import OlmoeConfig
+
+        return OlmoeConfig(**{**common, "intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                              "norm_topk_prob": False, "pad_token_id": 0, **overrides})
     raise ValueError(arch)
 
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
-NEW_ARCHS = ("gemma2", "gemma3", "phi3", "phi4")  # issue 46's (phi4: a phi3 model with partial rotary)
+MOE_ARCHS = ("mixtral", "qwen3_moe", "olmoe")
+# issue 46's (phi4: a phi3 model with partial rotary)
+NEW_ARCHS = ("gemma2", "gemma3", "phi3", "phi4", *MOE_ARCHS)
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -1,12 +1,13 @@
-"""The lean decoder shared by Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3 and Phi-3: attention runs on the
-paged cache. DecoderSpec's flags say where an architecture departs from the Llama shape.
+"""The lean decoder shared by Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, and the mixtures of experts
+Mixtral, Qwen3-MoE and OLMoE: attention runs on the paged cache. DecoderSpec's flags say where an architecture
+departs from the Llama shape.
 
 The model only: how its weights are kept and which kernels run them is pagecli.models.weight_plan's
 decision, applied by weight_forms.py.
 
 Module names follow Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...), so
-safetensors weights load by name without a mapping table (Phi-3's checkpoint has qkv_proj and
-gate_up_proj already: the model is built with those).
+safetensors weights load by name (Phi-3's checkpoint has qkv_proj and gate_up_proj already: the model is
+built with those; Mixtral's expert names are the loader's one renaming, CHECKPOINT_RENAMES).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagecli.attention import AttentionBackend, AttentionMetadata
 from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
+from pagecli.models.moe import SparseMoE
 from pagecli.models.spec import DecoderSpec
 
 
@@ -41,9 +43,12 @@ class Attention(nn.Module):
             self.v_proj = Linear(spec.hidden_size, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, spec.norm_offset)
-            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, spec.norm_offset)
+            # Over each head (Qwen3, Gemma 3), or over the whole projection before it is split (OLMoE).
+            q_width, k_width = ((self.head_dim, self.head_dim) if spec.qk_norm_per_head else self.qkv_sizes[:2])
+            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps, spec.norm_offset)
         self.qk_norm = spec.qk_norm
+        self.qk_norm_per_head = spec.qk_norm_per_head
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj (checkpoint names, used for loading) by one qkv_proj (there already when the
@@ -64,10 +69,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # one matmul for the three projections
+        if self.qk_norm and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)  # [num_tokens, heads * head_dim], [num_tokens, kv_heads * head_dim]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         backend.store_kv(k, v, kv_cache[0], kv_cache[1], meta)
@@ -87,8 +94,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(spec, index)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act,
-                            fused=spec.fused_checkpoint)
+        self.mlp: GatedMLP | SparseMoE
+        if spec.layer_has_experts(index):
+            self.mlp = SparseMoE(spec)
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act,
+                                fused=spec.fused_checkpoint)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         if spec.sandwich_norms:
@@ -96,8 +107,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
 
     def fuse_projections(self) -> None:
-        """q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj (the checkpoint's names
-        are for loading): load_model does it as each layer's weights come in."""
+        """q/k/v_proj into one qkv_proj and gate/up_proj into one gate_up_proj (each expert's, in a mixture of
+        experts; the checkpoint's names are for loading): load_model does it as each layer's weights come in."""
         self.self_attn.fuse_projections()
         self.mlp.fuse_projections()
 

@@ -149,6 +149,7 @@ class Linear(nn.Linear):
 
     kernel: LinearKernel | None = None
     packed: Any = None  # PackedLinear, F32PanelLinear, PackedLinearInt8, ...: what runs the product, once set
+    keeps_floats = False  # never quantized (a mixture of experts' router: rounding it could pick other experts)
 
     def reset_parameters(self) -> None:
         pass

@@ -231,7 +231,7 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     if not files:
         raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
     expected = dict(model.named_parameters())
-    where = _tensor_files(files, expected)
+    where = _tensor_files(files, expected, CHECKPOINT_RENAMES.get(model.spec.model_type, ()))
     missing = sorted(set(expected) - set(where))
     if missing:
         shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
@@ -254,39 +254,68 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# model_type -> (checkpoint pattern, the model's name): the one architecture whose checkpoint names differ
+# from the decoder's modules. Mixtral's experts are block_sparse_moe.experts.N.w1 (gate), w3 (up), w2 (down);
+# the decoder names every mixture of experts as Qwen3-MoE and OLMoE do (mlp.gate, mlp.experts.N.gate_proj).
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
+    "mixtral": (
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+        (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+        (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    ),
+}
 
 
-def _tensor_files(files: list[Path], expected: dict[str, torch.Tensor]) -> dict[str, Path]:
-    """The file each tensor the model needs is in, from the files' headers (no tensor read)."""
-    where: dict[str, Path] = {}
+@dataclass(frozen=True)
+class _Stored:
+    """Where a model parameter's tensor is: the file, and its name there (Mixtral's experts': another name)."""
+
+    file: Path
+    name: str
+
+
+def _model_name(name: str, renames: tuple[tuple[re.Pattern[str], str], ...]) -> str:
+    for pattern, replacement in renames:
+        renamed = pattern.sub(replacement, name)
+        if renamed != name:
+            return renamed
+    return name
+
+
+def _tensor_files(files: list[Path], expected: dict[str, torch.Tensor],
+                  renames: tuple[tuple[re.Pattern[str], str], ...] = ()) -> dict[str, _Stored]:
+    """Where each tensor the model needs is, by its parameter name, from the files' headers (no tensor read)."""
+    where: dict[str, _Stored] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = _model_name(stored, renames)
                     if not name.endswith(_IGNORED_WEIGHT_SUFFIXES) and name in expected:
-                        where[name] = file  # e.g. lm_head.weight of a tied checkpoint is not expected
+                        where[name] = _Stored(file, stored)  # e.g. lm_head.weight of a tied checkpoint is not expected
         except (SafetensorError, OSError, ValueError) as exc:
             raise _unreadable(file, exc) from exc
     return where
 
 
-def _read_tensors(names: list[str], where: dict[str, Path], expected: dict[str, torch.Tensor],
+def _read_tensors(names: list[str], where: dict[str, _Stored], expected: dict[str, torch.Tensor],
                   dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """These tensors, each a copy of its own in dtype on device, shapes checked."""
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in names:
-        by_file.setdefault(where[name], []).append(name)
+        by_file.setdefault(where[name].file, []).append(name)
     for file, file_names in by_file.items():
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in file_names:
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+                    state[name] = f.get_tensor(where[name].name).to(device=device, dtype=dtype, copy=True)
         except (SafetensorError, OSError, ValueError) as exc:
             raise _unreadable(file, exc) from exc
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ModelError(f"Weight '{name}' in '{where[name].parent}' has shape {tuple(tensor.shape)}, "
+            raise ModelError(f"Weight '{where[name].name}' in '{where[name].file.parent}' has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(expected[name].shape)}.")
     return state
 

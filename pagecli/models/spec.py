@@ -2,7 +2,9 @@
 
 The Llama family and close relatives share one lean implementation; each architecture
 differs only in the flags below (q/k/v bias, q/k RMSNorm, tied embeddings, rope scaling; Gemma's
-norms around each block, soft-capping and sliding layers; Phi-3's fused checkpoint and partial rotary).
+norms around each block, soft-capping and sliding layers; Phi-3's fused checkpoint and partial rotary;
+the mixture-of-experts MLPs of Mixtral, Qwen3-MoE and OLMoE: how many experts, how many each token takes,
+how their router weights are normalised, which layers have them).
 Every size is checked here, where the config is read, so a malformed config.json is one
 ModelError naming the file and the field, never a failure deep inside model construction.
 """
@@ -25,9 +27,16 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "gemma2": (False, False),
     "gemma3_text": (False, True),  # Gemma 3's text model (Gemma3ForCausalLM)
     "phi3": (False, False),  # Phi-3, Phi-3.5, Phi-4
+    "mixtral": (False, False),  # Mixtral 8x7B, 8x22B
+    "qwen3_moe": (False, True),  # Qwen3-30B-A3B, Qwen3-235B-A22B
+    "olmoe": (False, True),  # OLMoE-1B-7B (its q/k norms span the whole projection)
 }
 SUPPORTED_NAMES = ("Llama 2/3, SmolLM/SmolLM2 (llama), Mistral, Qwen2/Qwen2.5 (qwen2), Qwen3 (qwen3), "
-                   "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Phi-3/3.5/4 (phi3)")
+                   "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Phi-3/3.5/4 (phi3), Mixtral (mixtral), "
+                   "Qwen3-MoE (qwen3_moe), OLMoE (olmoe)")
+MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+# Architectures whose o_proj has a bias when attention_bias is set (the others' never has one).
+_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Architectures whose checkpoint holds q/k/v and gate/up as one matrix each (qkv_proj, gate_up_proj).
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -65,6 +74,20 @@ class DecoderSpec:
     local_rope: bool = False  # sliding layers have rope settings of their own (Gemma 3's rope_local_base_freq)
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     rotary_dim: int | None = None  # rotary on the first rotary_dim of each head (partial rotary), else all
+    qk_norm_per_head: bool = True  # q/k norms over each head (Qwen3, Gemma 3), else over the whole projection (OLMoE)
+    # Mixture of experts (Mixtral, Qwen3-MoE, OLMoE); num_experts 0: every layer has one dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # the top k experts a token's router picks
+    moe_intermediate_size: int = 0  # each expert's gated MLP width
+    norm_topk_prob: bool = False  # the k picked probabilities are renormalised to sum to 1 (Mixtral: always)
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP of intermediate_size
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_has_experts(self, index: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[index]
 
     @property
     def masked_attention(self) -> bool:
@@ -75,9 +98,10 @@ class DecoderSpec:
     @property
     def llama_shaped(self) -> bool:
         """Whether every layer is the Llama shape that pagecli.native's one-call DecodeStep runs: SwiGLU, one
-        norm before each block, full rotary, plain attention (the embedding and logits are outside it)."""
+        norm before each block, full rotary, plain attention, per-head q/k norms, one dense MLP (the embedding
+        and logits are outside it)."""
         return (self.hidden_act == "silu" and not self.masked_attention and not self.sandwich_norms
-                and not self.local_rope and self.rotary_dim is None)
+                and not self.local_rope and self.rotary_dim is None and not self.moe and self.qk_norm_per_head)
 
     def layer_window(self, index: int) -> int | None:
         return self.layer_windows[index] if self.layer_windows else None
@@ -108,6 +132,8 @@ class DecoderSpec:
         sizes = _checked_sizes(config, where)
         attention_bias = getattr(config, "attention_bias", None)
         extras = _gemma_fields(config, where, sizes) if model_type in GEMMA_TYPES else {}
+        if model_type in MOE_TYPES:
+            extras = _moe_fields(config, where, sizes)
         if model_type in GEMMA_TYPES:
             sizes["sliding_window"] = None  # applied per layer (layer_windows), not a cap on the context
         return cls(
@@ -115,7 +141,7 @@ class DecoderSpec:
             **sizes,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias_default if attention_bias is None else bool(attention_bias),
-            o_bias=bool(attention_bias) if model_type in ("llama", "qwen3") else False,
+            o_bias=bool(attention_bias) if model_type in _O_BIAS_TYPES else False,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
             hidden_act=_ACTIVATIONS[hidden_act],
@@ -172,6 +198,40 @@ def _gemma_fields(config: Any, where: str, sizes: dict[str, Any]) -> dict[str, A
         norm_offset=1.0,
         sandwich_norms=True,
         local_rope=getattr(config, "model_type", None) == "gemma3_text",
+    )
+
+
+def _moe_fields(config: Any, where: str, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's, Qwen3-MoE's and OLMoE's experts: how many, how many a token takes, their width, whether the
+    picked probabilities are renormalised (Mixtral always; the others by norm_topk_prob), and which layers
+    have them (Qwen3-MoE's decoder_sparse_step and mlp_only_layers); OLMoE's q/k norms span the projection."""
+    model_type = getattr(config, "model_type", None)
+    key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    num_experts = _size(config, key, where)
+    top_k = _size(config, "num_experts_per_tok", where)
+    if top_k > num_experts:
+        raise ModelError(f"{where} has num_experts_per_tok {top_k} but only {num_experts} experts; a token cannot "
+                         "take more experts than there are.")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ModelError(f"{where} sets clip_qkv = {config.clip_qkv!r}; pagecli does not clamp q/k/v (OLMoE's "
+                         "released models leave it null).")
+    if getattr(config, "num_shared_experts", None) or getattr(config, "shared_expert_intermediate_size", None):
+        raise ModelError(f"{where} has shared experts, which pagecli's {model_type} does not run.")
+    moe_layers = tuple(True for _ in range(sizes["num_layers"]))
+    if model_type == "qwen3_moe":
+        step = _size(config, "decoder_sparse_step", where, default=1)
+        dense = getattr(config, "mlp_only_layers", None) or []
+        if not isinstance(dense, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+            raise ModelError(f"{where} has mlp_only_layers = {dense!r}; it must be a list of layer numbers.")
+        moe_layers = tuple(index not in dense and (index + 1) % step == 0 for index in range(sizes["num_layers"]))
+    width = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_size(config, width, where),
+        norm_topk_prob=True if model_type == "mixtral" else bool(getattr(config, "norm_topk_prob", False)),
+        moe_layers=moe_layers,
+        qk_norm_per_head=model_type != "olmoe",
     )
 
 

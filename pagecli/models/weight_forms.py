@@ -198,8 +198,8 @@ class WeightPlacer:
         linear.use_product(*panels_product(linear.weight, linear.bias, form, self.ops))
 
     def _quantize(self, linear: Linear, form: str) -> None:
-        """int8 or int4 from the loaded floats."""
-        if linear.packed is not None:
+        """int8 or int4 from the loaded floats (a Linear that keeps_floats stays as it is)."""
+        if linear.packed is not None or linear.keeps_floats:
             return
         if form == "int4":
             self._on_int4(linear, *quantize_int4(linear.weight))
@@ -259,10 +259,11 @@ class WeightPlacer:
         CausalLM.forward, without the Python between them (a few ms per token for one stream). None where
         the plan has none (an architecture it cannot run: WeightPlan.decode_step) or a product runs in
         PyTorch (the Python loop runs it)."""
+        if not self.plan.decode_step:
+            return None
         layers = model.model.layers
         products = [_packed_products(layer) for layer in layers]
-        if not self.plan.decode_step or any(isinstance(p, (Int8Reference, Int4Reference))
-                                            for layer in products for p in layer):
+        if any(isinstance(p, (Int8Reference, Int4Reference)) for layer in products for p in layer):
             return None
         spec = model.spec
         return self.ops.DecodeStep(

@@ -20,6 +20,10 @@ The forms (FORMS below says each in words):
 - `gguf`: the GGUF file's own blocks, per tensor: Q4_0/Q4_1 on the int4 kernel, Q8_0 as it is on the
   AVX2 int8 kernel (else requantized to int8), other types on the converted floats (`gguf_form`).
 
+A mixture of experts' experts are Linears like any other and take the decoder's form; its router keeps
+the model's floats under a quantized form (a Linear that `keeps_floats`: rounding it could pick other
+experts), and the one-call decode step is off (not `llama_shaped`).
+
 Adding a weight form: a name in FORMS, its choice here, its product in weight_forms.py. Neither the
 engine nor the model changes (docs/ARCHITECTURE.md lists the files).
 """
