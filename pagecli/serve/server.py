@@ -206,10 +206,11 @@ def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen
     stops = "Ctrl-C or SIGTERM stops it"
     if idle is not None:
         stops += f", or {describe(idle.keep_alive_s)} without a request"
-    say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 ({stops}); the web page is http://{host}:{port}/")
     try:
         if entry is not None:
             recorded.append(registry.register(entry))
+        say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 ({stops}); the web page is "
+            f"http://{host}:{port}/")
         with _signals_end_quietly(), screen or nullcontext():
             server.run(sockets=[sock])
     finally:
