@@ -87,8 +87,9 @@ _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 def load_hf_config(folder: Path) -> Any:
     """The model's config: config.json as attributes when pagecli can read it alone (a supported
     architecture with plain rope, nothing custom), else transformers' AutoConfig."""
-    _require_shape_keys(_config_json(folder), folder / "config.json")
-    plain = _plain_config(folder)
+    data = _config_json(folder)
+    _require_shape_keys(data, folder / "config.json")
+    plain = _plain_config(data)
     if plain is not None:
         return plain
     from huggingface_hub import errors as hub_errors  # transformers imports it anyway
@@ -130,8 +131,7 @@ def _require_shape_keys(data: dict[str, Any] | None, path: Path) -> None:
                          f"{'it' if len(missing) == 1 else 'them'} to build the model.")
 
 
-def _plain_config(folder: Path) -> SimpleNamespace | None:
-    data = _config_json(folder)
+def _plain_config(data: dict[str, Any] | None) -> SimpleNamespace | None:
     if data is None or "auto_map" in data:
         return None
     model_type = data.get("model_type")
@@ -192,11 +192,13 @@ LayerProvided = Callable[[CausalLM, "int | None"], frozenset[str]]
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
-               layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None) -> LoadedModel:
+               layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None,
+               hf_config: Any = None) -> LoadedModel:
     """The folder's model, config and tokenizer; layer_ready(model, index) runs on each decoder layer
     as soon as its weights are loaded (_load_weights). The weights layer_provided(model, index) names
-    are not read: they stay on the meta device until layer_ready replaces them (a GGUF file's blocks)."""
-    hf_config = load_hf_config(folder)
+    are not read: they stay on the meta device until layer_ready replaces them (a GGUF file's blocks).
+    hf_config: the folder's config where the caller has read it already (load_hf_config)."""
+    hf_config = hf_config if hf_config is not None else load_hf_config(folder)
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
