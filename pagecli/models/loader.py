@@ -249,7 +249,11 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     for index, layer in enumerate(model.model.layers):
         provided = layer_provided(model, index) if layer_provided is not None else frozenset()
         names = [name for name in layers.get(index, []) if name not in provided]
-        model.load_state_dict(_read_tensors(names, where, expected, dtype, device), strict=False, assign=True)
+        # Into the layer itself: the model's load_state_dict would walk every module of the model for each layer.
+        prefix = f"model.layers.{index}."
+        state = _read_tensors(names, where, expected, dtype, device)
+        layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, strict=False,
+                              assign=True)
         layer.fuse_projections()
         if layer_ready is not None:
             layer_ready(model, index)
