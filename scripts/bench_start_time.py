@@ -16,7 +16,8 @@ Each command runs once first (not counted: bytecode written, the model converted
 - with --server-runs: the same `chat` and `generate` while a `pagecli serve --keep-alive 10m` of the same model
   runs: the newer tree finds it in the registry (plain `pagecli chat`), the older one is given `--server URL`.
 
-Peak RSS comes from wait4. OMP_NUM_THREADS=1 unless --threads says otherwise (the machine is shared; see
+Peak RSS and the process's CPU seconds (user + system: less at the mercy of a shared machine than the wall
+time, though a busy core's caches still cost some) come from wait4. OMP_NUM_THREADS=1 unless --threads says otherwise (the machine is shared; see
 docs/benchmarks/startup.md for why two threads on a busy 2-core machine measure the neighbours).
 """
 
@@ -46,10 +47,14 @@ def env_for(tree: str | None, threads: int) -> dict[str, str]:
     return env
 
 
+CPU_S: list[float] = []  # the CPU seconds (user + system) of each process reaped, in order
+
+
 def wait_rss(process: subprocess.Popen) -> int:
-    """Reap the process; its peak RSS in MiB."""
+    """Reap the process; its peak RSS in MiB (its CPU seconds go to CPU_S)."""
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
+    CPU_S.append(usage.ru_utime + usage.ru_stime)
     return usage.ru_maxrss // 1024
 
 
@@ -119,11 +124,18 @@ def start_server(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-def summary(values: list[tuple[float, int]]) -> dict[str, object]:
-    times = [t for t, _ in values]
+def summary(values: list[tuple[float, int, float]]) -> dict[str, object]:
+    times = [t for t, _, _ in values]
     return {"median_s": round(statistics.median(times), 3), "min_s": round(min(times), 3),
-            "max_s": round(max(times), 3), "peak_rss_mib": max(r for _, r in values),
+            "max_s": round(max(times), 3), "peak_rss_mib": max(r for _, r, _ in values),
+            "cpu_median_s": round(statistics.median(c for _, _, c in values), 3),
             "runs_s": [round(t, 3) for t in times]}
+
+
+def timed(figure, env: dict[str, str], *extra: str) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS MiB, CPU seconds of the process: less at the mercy of a shared machine)."""
+    elapsed, rss = figure(env, *extra)
+    return elapsed, rss, CPU_S[-1]
 
 
 def main() -> None:
@@ -159,12 +171,12 @@ def main() -> None:
     trees = {"before": options.before, "after": None} if options.before else {"after": None}
     results: dict[str, dict[str, object]] = {}
     for name, figure in figures.items():
-        runs: dict[str, list[tuple[float, int]]] = {tree: [] for tree in trees}
+        runs: dict[str, list[tuple[float, int, float]]] = {tree: [] for tree in trees}
         for tree, path in trees.items():
             figure(env_for(path, options.threads))  # the first run: not counted
         for _ in range(options.runs):
             for tree, path in trees.items():
-                runs[tree].append(figure(env_for(path, options.threads)))
+                runs[tree].append(timed(figure, env_for(path, options.threads)))
         results[name] = {tree: summary(values) for tree, values in runs.items()}
         print(name, json.dumps(results[name]), flush=True)
 
@@ -179,9 +191,9 @@ def main() -> None:
                         extra = ["--server", url] if tree == "before" else []
                         env = env_for(path, options.threads)
                         if args is None:
-                            runs[tree].append(generate(env, *extra))
+                            runs[tree].append(timed(generate, env, *extra))
                         else:
-                            runs[tree].append(run_first_byte([*args, *extra], env, b"Hi\n"))
+                            runs[tree].append(timed(lambda e, *x: run_first_byte([*args, *x], e, b"Hi\n"), env, *extra))
                 results[name] = {tree: summary(values[1:]) for tree, values in runs.items()}
                 print(name, json.dumps(results[name]), flush=True)
         finally:

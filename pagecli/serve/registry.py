@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -150,6 +151,8 @@ def any_recorded(folder: Path | None = None) -> bool:
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
+    if sys.platform == "win32":
+        return True  # os.kill(pid, 0) would end the process there: /health alone tells
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

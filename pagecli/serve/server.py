@@ -48,16 +48,17 @@ class ServeOptions:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, which also tells the engine thread to refuse new jobs once a signal arrives."""
+    """uvicorn's server, which also tells the engine thread to refuse new jobs once a signal arrives (or, with
+    --keep-alive, once no request has come for that long), and calls on_stop first (it leaves the registry)."""
 
     def __init__(self, config: uvicorn.Config, engine_thread: EngineThread, request_log: RequestLog,
-                 grace_s: float, idle: IdleClock | None = None, on_idle: Callable[[], None] = lambda: None) -> None:
+                 grace_s: float, idle: IdleClock | None = None, on_stop: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.engine_thread = engine_thread
         self.request_log = request_log
         self.grace_s = grace_s
         self.idle = idle
-        self.on_idle = on_idle
+        self.on_stop = on_stop
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -67,13 +68,14 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         """Every 0.1 s on the event loop: with --keep-alive, stop once no request has come for that long."""
         if self.idle is not None and not self.should_exit and self.idle.expired():
-            self.on_idle()
+            self.on_stop()
             self.request_log.note(f"No request for {describe(self.idle.keep_alive_s)} (--keep-alive): stopping.")
             self.engine_thread.stop_accepting()
             self.should_exit = True
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_stop()  # a client looking for a server must not find this one during the grace period
         if self.engine_thread.accepting:
             self.request_log.note(f"Stopping: no new requests; {self.engine_thread.pending} sequence(s) still "
                                   f"running get up to {self.grace_s:g} s.")
@@ -201,7 +203,7 @@ def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen
         while recorded:
             registry.unregister(recorded.pop())
 
-    server = _Server(config, state.engine_thread, state.log, options.grace_s, idle, on_idle=leave_registry)
+    server = _Server(config, state.engine_thread, state.log, options.grace_s, idle, on_stop=leave_registry)
     state.engine_thread.start()
     stops = "Ctrl-C or SIGTERM stops it"
     if idle is not None:
