@@ -33,15 +33,15 @@ USING = "using the running pagecli serve at"
 
 
 def entry_for(model: Path | str | None, port: int, pid: int | None = None, api_key: str | None = None,
-              **engine: object) -> registry.ServerEntry:
-    """What a keep-alive server of `model` with these engine flags records."""
+              sampling: dict | None = None, **engine: object) -> registry.ServerEntry:
+    """What a keep-alive server of `model` with these engine flags (and sampling flags) records."""
     settings = load_profile(None).engine_config(**(engine or CLI_ENGINE))
     return registry.ServerEntry(
         pid=os.getpid() if pid is None else pid, host="127.0.0.1", port=port, model=str(model or ""),
         model_identity=model_identity(None if model is None else str(model)),
         engine_digest=registry.engine_digest(settings),
         api_key_sha256=None if api_key is None else registry.key_digest(api_key), keep_alive_s=300.0,
-        started=time.time())
+        started=time.time(), sampling=registry.sampling_defaults(load_profile(None).sampling_params(**(sampling or {}))))
 
 
 def free_port() -> int:
@@ -225,6 +225,19 @@ def test_chat_uses_a_registered_server_of_the_same_model_and_not_of_another(tiny
 
         assert main(chat_cli(tiny_llama, messages, "--kv-dtype", "int8")) == 0  # other engine settings
         assert USING not in capsys.readouterr().err
+
+
+def test_a_server_whose_sampling_defaults_would_fill_in_other_values_is_not_used(tiny_llama, tmp_path, capsys):
+    messages = tmp_path / "messages.txt"
+    messages.write_text("Hello there\n")
+    with running_server(tiny_llama) as server:
+        registry.register(entry_for(tiny_llama, port_of(server.base_url), sampling={"top_k": 40, "ignore_eos": True}))
+        assert main(chat_cli(tiny_llama, messages)) == 0  # top_k 0 is not sent: the server's 40 would apply
+        assert USING not in capsys.readouterr().err
+        assert main(chat_cli(tiny_llama, messages, "--top-k", "5")) == 0  # sent, but ignore_eos is never sent
+        assert USING not in capsys.readouterr().err
+        assert main(chat_cli(tiny_llama, messages, "--top-k", "5", "--ignore-eos")) == 0
+        assert USING in capsys.readouterr().err
 
 
 def test_local_loads_the_model_here_even_when_a_server_runs(tiny_llama, tmp_path, capsys):

@@ -2,7 +2,8 @@
 (`pagecli serve --keep-alive`, found in the registry, pagecli/serve/registry.py) instead of loading the model.
 
 A server is used only when it runs the same model (source.model_identity: the same folder and files, or the
-same .gguf file) with the same engine settings, and the client's API key (if the server wants one) opens it;
+same .gguf file) with the same engine settings, its sampling defaults fill in what the requests leave out as this
+command's settings would (registry.samples_alike), and the client's API key (if the server wants one) opens it;
 else the command loads the model itself, as it always did. Nothing is started here. Standard library and
 torch-free modules only: with no server recorded this costs one directory listing.
 """
@@ -23,11 +24,14 @@ def running_server_for(settings: RunSettings, api_key: str | None) -> registry.S
         return None
     from pagecli.models.source import model_identity
 
+    from pagecli.batch.remote import api_fields
+
     try:
         identity = model_identity(settings.model)
     except (PagecliError, OSError):
         return None  # the local run says what is wrong with MODEL
-    return registry.find_server(identity, registry.engine_digest(settings.engine), api_key)
+    return registry.find_server(identity, registry.engine_digest(settings.engine), api_key,
+                                sampling=settings.sampling, sent=set(api_fields(settings.sampling)))
 
 
 def announce(entry: registry.ServerEntry) -> None:

@@ -1,6 +1,6 @@
 """The registry of keep-alive servers: each `pagecli serve --keep-alive` writes one small JSON file under
-paths.servers_dir() (where it listens, its pid, the model it runs and with which engine settings, whether
-it wants an API key) and removes it on exit. `pagecli chat` and `pagecli generate` read it to use a running
+paths.servers_dir() (where it listens, its pid, the model it runs and with which engine and sampling settings,
+whether it wants an API key) and removes it on exit. `pagecli chat` and `pagecli generate` read it to use a running
 server of the same model instead of loading one.
 
 Invariants: a file appears whole (written beside, then renamed) and only once the server listens with its
@@ -43,6 +43,7 @@ class ServerEntry:
     api_key_sha256: str | None  # None: the server takes requests without a key
     keep_alive_s: float
     started: float  # seconds since the epoch
+    sampling: dict[str, Any]  # sampling_defaults of the server's settings: what a request that leaves them out gets
 
     @property
     def url(self) -> str:
@@ -77,6 +78,23 @@ def engine_digest(engine: Any) -> str:
     same engine settings, so the server runs what the client would have loaded."""
     fields = dataclasses.asdict(engine)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def sampling_defaults(sampling: Any) -> dict[str, Any]:
+    """The sampling settings (a SamplingParams) a request may leave out and then gets from the server's profile
+    and flags, in JSON's terms. (temperature, top_p and max_tokens are always sent; n, beams and a schema
+    are refused by `pagecli serve` as run-wide settings.)"""
+    return {"top_k": sampling.top_k, "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+            "seed": sampling.seed, "stop": list(sampling.stop), "ignore_eos": sampling.ignore_eos,
+            "logit_bias": [[token, float(bias)] for token, bias in sampling.logit_bias]}
+
+
+def samples_alike(entry: ServerEntry, sampling: Any, sent: set[str]) -> bool:
+    """Whether requests with these settings (of which the fields in `sent` travel with each request) sample on the
+    server as they would here: every setting left out is the server's own."""
+    own = sampling_defaults(sampling)
+    return all(entry.sampling.get(key) == value for key, value in own.items() if key not in sent)
 
 
 def register(entry: ServerEntry, folder: Path | None = None) -> Path:
@@ -131,11 +149,13 @@ def live_servers(folder: Path | None = None, timeout_s: float = HEALTH_TIMEOUT_S
     return live
 
 
-def find_server(model_identity: str, engine: str, api_key: str | None,
-                folder: Path | None = None) -> ServerEntry | None:
-    """A live server of this model identity and engine digest that `api_key` opens; the newest if several."""
+def find_server(model_identity: str, engine: str, api_key: str | None, folder: Path | None = None,
+                sampling: Any = None, sent: set[str] = frozenset()) -> ServerEntry | None:
+    """A live server of this model identity and engine digest that `api_key` opens (and, given `sampling`, whose
+    defaults fill in what the requests leave out as these settings would: samples_alike); the newest if several."""
     candidates = [entry for entry in live_servers(folder) if entry.model_identity == model_identity
-                  and entry.engine_digest == engine and entry.opens_with(api_key)]
+                  and entry.engine_digest == engine and entry.opens_with(api_key)
+                  and (sampling is None or samples_alike(entry, sampling, sent))]
     return max(candidates, key=lambda entry: entry.started, default=None)
 
 

@@ -185,7 +185,8 @@ def _entry(settings: Any, options: ServeOptions, identity: str, sock: socket.soc
         pid=os.getpid(), host=options.host, port=sock.getsockname()[1], model=settings.model or "",
         model_identity=identity, engine_digest=registry.engine_digest(settings.engine),
         api_key_sha256=registry.key_digest(options.api_key) if options.api_key else None,
-        keep_alive_s=float(options.keep_alive_s or 0.0), started=time.time())
+        keep_alive_s=float(options.keep_alive_s or 0.0), started=time.time(),
+        sampling=registry.sampling_defaults(settings.sampling))
 
 
 def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen: Any,
