@@ -89,7 +89,7 @@ def load_hf_config(folder: Path) -> Any:
     architecture with plain rope, nothing custom), else transformers' AutoConfig."""
     data = _config_json(folder)
     _require_shape_keys(data, folder / "config.json")
-    plain = _plain_config(data)
+    plain = _plain_config_of(data)
     if plain is not None:
         return plain
     from huggingface_hub import errors as hub_errors  # transformers imports it anyway
@@ -131,7 +131,12 @@ def _require_shape_keys(data: dict[str, Any] | None, path: Path) -> None:
                          f"{'it' if len(missing) == 1 else 'them'} to build the model.")
 
 
-def _plain_config(data: dict[str, Any] | None) -> SimpleNamespace | None:
+def _plain_config(folder: Path) -> SimpleNamespace | None:
+    return _plain_config_of(_config_json(folder))
+
+
+def _plain_config_of(data: dict[str, Any] | None) -> SimpleNamespace | None:
+    """config.json's dict as attributes, where pagecli can read it alone (load_hf_config)."""
     if data is None or "auto_map" in data:
         return None
     model_type = data.get("model_type")
