@@ -48,6 +48,11 @@ def sessions_dir() -> Path:
     return data_dir() / "sessions"
 
 
+def servers_dir() -> Path:
+    """The registry of running `pagecli serve --keep-alive` servers (one small JSON file each)."""
+    return cache_dir() / "servers"
+
+
 def make_private_dir(path: Path) -> None:
     """Create path, and any parent missing too, so that only the user can read them (XDG asks 0700 for
     directories it creates); existing directories are left alone."""

@@ -108,3 +108,37 @@ def test_the_probe_sees_torch_when_a_command_needs_it():
     # The negative control: were the probe blind, every test above would pass.
     heavy, _ = heavy_modules_after(["doctor", "--json"])
     assert "torch" in heavy
+
+
+def test_values_given_on_the_command_line_are_read_without_pydantic(tmp_path):
+    # typer coerces every value through a pydantic TypeAdapter; cli/help_style.py reads plain str, int and float
+    # values itself (the first-token time of `chat` against a running server is mostly start-up).
+    missing, out = str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl")
+    modules, run = modules_after(["generate", missing, "-o", out, "--temperature", "0.5", "--max-tokens", "16",
+                                  "--top-p", "1e-1", "--seed", "-3", "--format", "jsonl", "--stop", "x"])
+    assert run.returncode != 0 and "missing.jsonl" in run.stderr, run.stderr
+    assert "pydantic" not in modules
+
+
+@pytest.mark.parametrize("value", ["0", "-0", "007", "12345678901234567890", "0.5", "-0.25", "1e3", "1E-3", "1e400",
+                                   "3.14159265358979323846", "2.5e-308", " 5", "1_000", "+5", "5.", "hot", "inf", 3, 2.5,
+                                   True, "true", (), ("a", "b")])
+def test_values_read_without_pydantic_equal_typers_own(value):
+    """Where help_style reads a value itself, it gives what typer's adapter gives; elsewhere typer's adapter runs."""
+    from typer._coercion import build_runtime_param, resolve_type_descriptor
+    from typer.models import OptionInfo
+
+    from pagecli.cli.help_style import _PlainValue
+
+    for kind in (int, float, str, bool, list[str]):
+        descriptor = resolve_type_descriptor(kind, OptionInfo())
+        mine = _PlainValue(descriptor.parameter_info, kind, descriptor)
+        typers = build_runtime_param(descriptor)
+        try:
+            expected = typers._coerce_value(value, param=None, ctx=None)
+        except Exception as error:  # noqa: BLE001 - the same refusal either way
+            with pytest.raises(type(error)):
+                mine._coerce_value(value, param=None, ctx=None)
+            continue
+        got = mine._coerce_value(value, param=None, ctx=None)
+        assert (got, type(got)) == (expected, type(expected)) or (got != got and expected != expected)

@@ -70,6 +70,9 @@ def generate(
                                         "fields are sent).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", metavar="KEY", envvar="PAGECLI_API_KEY", help="The server's --api-key (with --server).")] = None,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Load the model in this process even when a `pagecli serve --keep-alive` of the same model "
+                        "runs (by default such a server answers the lines).")] = False,
     max_line_bytes: Annotated[int, typer.Option(
         "--max-line-bytes", min=1, metavar="BYTES",
         help="Longest input line read (in UTF-8 bytes); a longer one stops the run before anything runs.")]
@@ -81,13 +84,21 @@ def generate(
     from pagecli.cli.generate import run_generate
 
     cluster = _cluster_options(ray)
-    if server is None and api_key is not None:
-        raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     if server is not None and cluster is not None:
         raise PagecliError("--server sends the lines to one running server; leave out --ray.")
-    code = run_generate(flags.settings(), input, output, format, progress, retry_errors=retry_errors,
+    if server is not None and local:
+        raise PagecliError("--server sends the lines to a running server and --local loads the model here; pass one.")
+    settings = flags.settings()
+    found = None
+    if server is None and cluster is None and not local:
+        from pagecli.cli.running_server import running_server_for
+
+        found = running_server_for(settings, api_key)
+    if server is None and found is None and api_key is not None:
+        raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
+    code = run_generate(settings, input, output, format, progress, retry_errors=retry_errors,
                         cluster=cluster, force_restart=force_restart, max_line_bytes=max_line_bytes,
-                        server=None if server is None else (server, api_key))
+                        server=None if server is None else (server, api_key), found=found, found_key=api_key)
     if code:
         raise typer.Exit(code)
 

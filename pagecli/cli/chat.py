@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TextIO
 
 import typer
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pagecli.chat.session import SessionListing
     from pagecli.chat.session_lock import SessionLock
     from pagecli.engine import Engine
+    from pagecli.serve.registry import ServerEntry as RunningServer
 
 _DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded)"
 
@@ -44,6 +45,9 @@ ServerOpt = Annotated[Optional[str], typer.Option(
                                     "pool. Engine flags are the server's; sampling flags apply.")]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", metavar="KEY", envvar="PAGECLI_API_KEY", help="The server's --api-key (with --server).")]
+LocalOpt = Annotated[bool, typer.Option(
+    "--local", help="Load the model in this process even when a `pagecli serve --keep-alive` of the same model "
+                    "runs (by default such a server is used).")]
 NoPoolOpt = Annotated[bool, typer.Option("--no-pool", help="Start with the block-pool panel hidden (/pool).")]
 MaxLineOpt = Annotated[int, typer.Option(
     "--max-line-bytes", min=1, metavar="BYTES",
@@ -58,7 +62,7 @@ def chat(
     system: SystemOpt = None, session: SessionOpt = None, resume: ResumeOpt = None,
     list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
     no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False, max_line_bytes: MaxLineOpt = _MAX_LINE_BYTES,
-    server: ServerOpt = None, api_key: ApiKeyOpt = None,
+    server: ServerOpt = None, api_key: ApiKeyOpt = None, local: LocalOpt = False,
 ) -> None:
     """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
     from pagecli.chat import session as sessions
@@ -70,11 +74,18 @@ def chat(
         raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")
     settings = flags.settings(model=model_arg)
     o.refuse_candidates(settings, "chat")
-    if server is None and api_key is not None:
+    if server is not None and local:
+        raise PagecliError("--server chats through a running server and --local loads the model here; pass one.")
+    found = None
+    if server is None and not local:
+        from pagecli.cli.running_server import running_server_for
+
+        found = running_server_for(settings, api_key)
+    if server is None and found is None and api_key is not None:
         raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,
                     truncate=not no_truncate, pool_visible=not no_pool, max_line_bytes=max_line_bytes,
-                    server=server, api_key=api_key)
+                    server=server, api_key=api_key, found=found)
     if code:
         raise typer.Exit(code)
 
@@ -91,8 +102,10 @@ def _print_sessions(listing: SessionListing) -> None:
 
 def run_chat(settings: o.RunSettings, system: str | None, session: str | None, resume: str | None,
              input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
-             max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None) -> int:
-    """Load the model, then chat on the screen or in plain mode; returns the exit code.
+             max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None,
+             found: RunningServer | None = None) -> int:
+    """Load the model (or use `server`, or the keep-alive server `found`), then chat on the screen or in plain
+    mode; returns the exit code.
 
     A named session is locked before the model loads (a second chat on it is refused at once, naming
     the process that has it) and stays locked until the chat ends, since every turn saves it."""
@@ -105,7 +118,7 @@ def run_chat(settings: o.RunSettings, system: str | None, session: str | None, r
     try:
         conversation = _starting_conversation(session, resume, system)
         return _chat(settings, conversation, name, lock, input_path, jsonl, truncate, pool_visible, max_line_bytes,
-                     server, api_key)
+                     server, api_key, found)
     finally:
         if lock is not None:
             lock.release()
@@ -128,7 +141,8 @@ def _starting_conversation(session: str | None, resume: str | None, system: str 
 
 def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None, lock: SessionLock | None,
           input_path: str | None, jsonl: bool, truncate: bool, pool_visible: bool,
-          max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None) -> int:
+          max_line_bytes: int = _MAX_LINE_BYTES, server: str | None = None, api_key: str | None = None,
+          found: RunningServer | None = None) -> int:
     from pagecli.chat.view import ChatOptions
     from pagecli.ui.progress import say
 
@@ -137,11 +151,18 @@ def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None,
         sys.stdin.reconfigure(errors="replace")  # a stray byte in typed or piped text is not worth a failure
     plain = jsonl or input_path is not None or not (sys.stdin.isatty() and sys.stdout.isatty())
 
-    if server is not None:
-        from pagecli.chat.remote import RemoteChatController, ServerEngine
+    engine: Any = None
+    if found is not None:
+        engine = _found_server(found, api_key)
+    elif server is not None:
+        from pagecli.chat.remote import ServerEngine
 
-        engine, controller_class = ServerEngine(server, api_key), RemoteChatController
-        model_name = engine.model
+        engine = ServerEngine(server, api_key)
+    if engine is not None:
+        from pagecli.chat.remote import RemoteChatController
+
+        controller_class = RemoteChatController
+        model_name = settings.model if found is not None else engine.model  # found: the model named here
     else:
         from pagecli.chat.controller import ChatController
         from pagecli.engine import Engine
@@ -159,6 +180,20 @@ def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None,
         close = getattr(engine, "close", None)  # finishes the disk prefix store's pending writes
         if close is not None:
             close()
+
+
+def _found_server(found: RunningServer, api_key: str | None) -> Any:
+    """A ServerEngine on the keep-alive server found, or None (said in a dim line) when it stopped meanwhile."""
+    from pagecli.chat.remote import ServerEngine
+    from pagecli.cli.running_server import announce, fall_back
+
+    try:
+        engine = ServerEngine(found.url, api_key)
+    except PagecliError as error:
+        fall_back(found, error)
+        return None
+    announce(found)
+    return engine
 
 
 def _open_input(input_path: str | None) -> TextIO:

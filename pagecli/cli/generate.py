@@ -20,17 +20,20 @@ from pagecli.batch.results_writer import ResultWriter, open_results
 from pagecli.batch.submit import submit_line
 from pagecli.config import RunSettings
 from pagecli.errors import PagecliError
+from pagecli.serve.registry import ServerEntry
 from pagecli.ui.progress import GenerateProgress, load_summary, say
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
                  progress: bool | None, retry_errors: bool = False, cluster: Any = None,
                  force_restart: bool = False, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-                 server: tuple[str, str | None] | None = None) -> int:
+                 server: tuple[str, str | None] | None = None, found: ServerEntry | None = None,
+                 found_key: str | None = None) -> int:
     """Runs every input line without a result in the output (with `retry_errors`, also those whose result
     is an error; with `force_restart`, every line, the output emptied first); the exit code: 0, 1 when every
     line run failed, 130 when interrupted. With `cluster` (pagecli.cluster.launch.ClusterOptions) the lines run
     on Ray workers; reading and writing are the same. An output that answers another input or other settings
-    is refused (results_file.check_answers)."""
+    is refused (results_file.check_answers). `found` is a keep-alive server of the same model (cli/running_server.py),
+    used unless a line needs the model here (tools) or it no longer answers."""
     if force_restart and retry_errors:
         raise PagecliError("--force-restart runs every line again; leave out --retry-errors.")
     items = read_requests(input_path, fmt, max_line_bytes)
@@ -55,9 +58,28 @@ def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: 
             from pagecli.cluster.driver import run_on_cluster
 
             return run_on_cluster(settings, todo, writer, progress, cluster)
+        if server is None and found is not None:
+            server = _use_found(found, found_key, todo)
         if server is not None:
             return _generate_on_server(settings, todo, writer, progress, *server)
         return _generate(settings, todo, writer, progress)
+
+
+def _use_found(found: ServerEntry, api_key: str | None, todo: list[BatchRequest | BadLine]) -> tuple[str, str | None] | None:
+    """(url, key) of the keep-alive server found, or None to run here: a line with tools needs the model in this
+    process, and a server that stopped meanwhile is said in a dim line."""
+    from pagecli.batch.remote import ServerConnection
+    from pagecli.cli.running_server import announce, fall_back
+
+    if any(isinstance(item, BatchRequest) and item.tools is not None for item in todo):
+        return None
+    try:
+        ServerConnection(found.url, api_key).model()
+    except PagecliError as error:
+        fall_back(found, error)
+        return None
+    announce(found)
+    return found.url, api_key
 
 
 def run_identity(items: list[BatchRequest | BadLine], input_path: str, settings: RunSettings) -> RunIdentity:

@@ -6,16 +6,70 @@ help follows the usual convention instead: `--progress` takes no value and shows
 shows its metavar (FILE, GIB, N) where one is declared and the value's kind otherwise, and the usage
 line reads `pagecli generate [OPTIONS] INPUT`. `tidy(command)` applies that to a command tree (and keeps
 an unused `--help` from costing a pydantic import).
+
+Typer 0.29 also coerces every value that is not a flag's bool, None and the defaults included, through a pydantic
+TypeAdapter built per parameter: 0.15-0.3 s of every command that runs (importing pydantic, building ~40
+adapters), the first-token time of `chat` against a server included. A plain str, int, float or bool parameter
+takes a value already of its type, or a plain numeral, within its bounds, as it is here (the value pydantic
+gives); anything else (out of bounds, a list, a spelling such as "1_000" or " 5") still goes to typer's
+adapter, so its refusals are typer's.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from typer import _click
+from typer._coercion import RuntimeParam, TypeDescriptor, build_runtime_param
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 _KIND_NAMES = {int: "N", float: "NUMBER", str: "TEXT"}
+
+
+_NUMERALS = {int: re.compile(r"-?\d+"), float: re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")}
+
+
+@dataclass(frozen=True)
+class _PlainValue(RuntimeParam):
+    """A str, int, float or bool parameter's value (or a repeated str option's values) as it is, else typer's own
+    coercion (module docstring)."""
+
+    descriptor: TypeDescriptor | None = None
+
+    def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+        kind = self.annotation
+        if kind == list[str]:
+            if isinstance(value, (list, tuple)) and all(type(item) is str for item in value):
+                return list(value)
+            return self._typers(value, param, ctx)
+        if type(value) is kind:
+            return value if kind is bool else self._within_bounds(value, param, ctx)
+        if kind is float and type(value) is int:
+            return self._within_bounds(float(value), param, ctx)
+        numeral = _NUMERALS.get(kind)  # type: ignore[call-overload]
+        if numeral is not None and isinstance(value, str) and numeral.fullmatch(value):
+            return self._within_bounds(kind(value), param, ctx)  # type: ignore[operator]
+        return self._typers(value, param, ctx)
+
+    def _within_bounds(self, value: Any, param: Any, ctx: Any) -> Any:
+        info = self.parameter_info
+        if (info.min is None or value >= info.min) and (info.max is None or value <= info.max):
+            return value
+        return self._typers(value, param, ctx)  # its refusal, in its words
+
+    def _typers(self, value: Any, param: Any, ctx: Any) -> Any:
+        return build_runtime_param(self.descriptor)._coerce_value(value, param=param, ctx=ctx)  # type: ignore[arg-type]
+
+
+def _plain_value(param: Any) -> RuntimeParam | None:
+    descriptor = param.type_descriptor
+    info = descriptor.parameter_info
+    kind = descriptor.annotation
+    simple = (descriptor.file_annotation is None and info.parser is None and not info.clamp and param.nargs == 1
+              and (kind in (str, int, float, bool) and not param.multiple or kind == list[str] and param.multiple))
+    return _PlainValue(info, descriptor.annotation, descriptor) if simple else None
 
 
 class PlainArgument(TyperArgument):
@@ -23,6 +77,11 @@ class PlainArgument(TyperArgument):
 
     def display_type_rich(self, ctx: _click.Context) -> str | None:
         return None
+
+    def get_runtime_param(self) -> RuntimeParam:
+        if self._runtime_param is None:
+            self._runtime_param = _plain_value(self)
+        return super().get_runtime_param()
 
     def _usage_display_name(self) -> str:
         name = self.display_name_raw
@@ -39,6 +98,11 @@ class PlainOption(TyperOption):
         if self.metavar:
             return self.metavar
         return _KIND_NAMES.get(self.type_descriptor.annotation, "VALUE")
+
+    def get_runtime_param(self) -> RuntimeParam:
+        if self._runtime_param is None:
+            self._runtime_param = _plain_value(self)
+        return super().get_runtime_param()
 
 
 def tidy(command: Any) -> Any:

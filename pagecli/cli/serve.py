@@ -28,6 +28,11 @@ ScreenOpt = Annotated[Optional[bool], typer.Option(
 ReasoningOpt = Annotated[str, typer.Option(
     "--reasoning-format", metavar="none|separate",
     help="separate: a reply's <think>...</think> comes back as reasoning_content; none: left in content.")]
+KeepAliveOpt = Annotated[Optional[str], typer.Option(
+    "--keep-alive", metavar="DURATION", show_default=False,
+    help="Stop DURATION (30s, 5m, 1h30m; 0: at once) after the last request, and meanwhile let `pagecli chat` and "
+         "`pagecli generate` of the same model use this server instead of loading it (default: serve until "
+         "stopped, unlisted).")]
 REASONING_FORMATS = ("none", "separate")
 
 
@@ -37,10 +42,11 @@ def serve(
     model_arg: ModelArg = None, flags: o.RunFlags = None,  # type: ignore[assignment] - filled by engine_flags
     host: HostOpt = "127.0.0.1", port: PortOpt = 8000, api_key: ApiKeyOpt = None,
     max_pending: MaxPendingOpt = 256, grace: GraceOpt = 30.0, screen: ScreenOpt = None,
-    reasoning_format: ReasoningOpt = "separate",
+    reasoning_format: ReasoningOpt = "separate", keep_alive: KeepAliveOpt = None,
 ) -> None:
     """Serve the model over OpenAI's APIs (/v1/chat/completions, /v1/completions, /v1/responses), Anthropic's
     (/v1/messages) and Ollama's (/api/*), with a chat page and the live block pool at /."""
+    from pagecli.serve.keep_alive import parse_duration
     from pagecli.serve.server import ServeOptions, run_server
 
     if model_arg and flags.model and model_arg != flags.model:
@@ -53,6 +59,7 @@ def serve(
         raise PagecliError(f"--grace must be 0 or more seconds (got {grace:g}).")
     if reasoning_format not in REASONING_FORMATS:
         raise PagecliError(f"--reasoning-format must be none or separate (got '{reasoning_format}').")
+    keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
     settings = flags.settings(model=model_arg)
     if getattr(settings.sampling, "n", 1) > 1:
         raise PagecliError(f"`pagecli serve` takes n per request (the request's 'n' field), not n "
@@ -63,7 +70,7 @@ def serve(
     if settings.sampling.structured is not None:
         raise PagecliError("`pagecli serve` takes a JSON schema per request (its 'response_format'), not "
                            "--json-schema for all; drop --json-schema.")
-    options = ServeOptions(host, port, api_key or None, max_pending, grace, screen, reasoning_format)
+    options = ServeOptions(host, port, api_key or None, max_pending, grace, screen, reasoning_format, keep_alive_s)
     code = run_server(settings, options)
     if code:
         raise typer.Exit(code)

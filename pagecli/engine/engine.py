@@ -45,7 +45,8 @@ from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.native.interface import CpuOps
 from pagecli.models.fingerprint import kv_fingerprint_name, model_fingerprint
-from pagecli.models.loader import LoadedModel, load_model, resolve_device
+from pagecli.models.loader import LoadedModel, load_hf_config, load_model, resolve_device
+from pagecli.models.spec import DecoderSpec
 from pagecli.models.weight_forms import WeightPlacer
 from pagecli.models.weight_plan import plan_for_folder
 from pagecli.store.blobs import BlockGeometry
@@ -114,13 +115,17 @@ class Engine:
         else:
             folder, device, dtype = loaded.folder, loaded.device, loaded.dtype
         cpu_ops = self._cpu_ops(device, progress)
+        # The config, read once for the plan, the context cap and the model (AutoConfig's, where pagecli cannot
+        # read it alone, takes tens of milliseconds a time).
+        hf_config = load_hf_config(folder) if loaded is None else loaded.hf_config
         # How every weight is kept and what runs it: one decision (models/weight_plan.py), applied as layers load.
-        self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops)
+        self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops, hf_config)
         placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
         if loaded is None:
+            spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
             loaded = load_model(folder, str(self.plan.dtype).removeprefix("torch."), self.config.device,
-                                max_positions=self._context_cap_for(folder),
-                                layer_ready=placer.layer_ready, layer_provided=placer.layer_provided)
+                                max_positions=self._context_len(spec), layer_ready=placer.layer_ready,
+                                layer_provided=placer.layer_provided, hf_config=hf_config)
             model = model or DEFAULT_MODEL_NAME
         placer.finish(loaded.model)
         self.loaded = loaded
@@ -188,11 +193,6 @@ class Engine:
                 f"other and every step gets slower, so use --threads {cores} or fewer.")
 
     # --- sizing -----------------------------------------------------------------------------
-    def _context_cap_for(self, folder: Any) -> int:
-        from pagecli.models.loader import read_spec
-
-        return self._context_len(read_spec(folder))
-
     def _context_len(self, spec: Any) -> int:
         limit = self.config.max_model_len or min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
         if self.config.max_model_len and self.config.max_model_len > spec.max_position_embeddings:

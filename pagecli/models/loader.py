@@ -87,8 +87,9 @@ _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 def load_hf_config(folder: Path) -> Any:
     """The model's config: config.json as attributes when pagecli can read it alone (a supported
     architecture with plain rope, nothing custom), else transformers' AutoConfig."""
-    _require_shape_keys(_config_json(folder), folder / "config.json")
-    plain = _plain_config(folder)
+    data = _config_json(folder)
+    _require_shape_keys(data, folder / "config.json")
+    plain = _plain_config_of(data)
     if plain is not None:
         return plain
     from huggingface_hub import errors as hub_errors  # transformers imports it anyway
@@ -131,7 +132,11 @@ def _require_shape_keys(data: dict[str, Any] | None, path: Path) -> None:
 
 
 def _plain_config(folder: Path) -> SimpleNamespace | None:
-    data = _config_json(folder)
+    return _plain_config_of(_config_json(folder))
+
+
+def _plain_config_of(data: dict[str, Any] | None) -> SimpleNamespace | None:
+    """config.json's dict as attributes, where pagecli can read it alone (load_hf_config)."""
     if data is None or "auto_map" in data:
         return None
     model_type = data.get("model_type")
@@ -192,11 +197,13 @@ LayerProvided = Callable[[CausalLM, "int | None"], frozenset[str]]
 
 
 def load_model(folder: Path, dtype: str = "auto", device: str = "auto", max_positions: int | None = None,
-               layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None) -> LoadedModel:
+               layer_ready: LayerReady | None = None, layer_provided: LayerProvided | None = None,
+               hf_config: Any = None) -> LoadedModel:
     """The folder's model, config and tokenizer; layer_ready(model, index) runs on each decoder layer
     as soon as its weights are loaded (_load_weights). The weights layer_provided(model, index) names
-    are not read: they stay on the meta device until layer_ready replaces them (a GGUF file's blocks)."""
-    hf_config = load_hf_config(folder)
+    are not read: they stay on the meta device until layer_ready replaces them (a GGUF file's blocks).
+    hf_config: the folder's config where the caller has read it already (load_hf_config)."""
+    hf_config = hf_config if hf_config is not None else load_hf_config(folder)
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, dev)
@@ -247,7 +254,11 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     for index, layer in enumerate(model.model.layers):
         provided = layer_provided(model, index) if layer_provided is not None else frozenset()
         names = [name for name in layers.get(index, []) if name not in provided]
-        model.load_state_dict(_read_tensors(names, where, expected, dtype, device), strict=False, assign=True)
+        # Into the layer itself: the model's load_state_dict would walk every module of the model for each layer.
+        prefix = f"model.layers.{index}."
+        state = _read_tensors(names, where, expected, dtype, device)
+        layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, strict=False,
+                              assign=True)
         layer.fuse_projections()
         if layer_ready is not None:
             layer_ready(model, index)

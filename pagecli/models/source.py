@@ -63,6 +63,29 @@ def resolve_model(spec: str | None, progress: Progress | None = None) -> Path:
     )
 
 
+def model_identity(spec: str | None) -> str:
+    """What MODEL names, as one string two processes compare to know they would load the same weights,
+    found without converting, downloading or reading weights (a few stat calls): a folder's absolute path
+    with the size and modification time of its config, weights and tokenizer files; a .gguf file (the
+    embedded default's too) by the folder it converts to, whose name carries the file's size and time; a
+    hub id as written. ModelError where MODEL names nothing that exists."""
+    if not spec:
+        return f"gguf:{converted_folder_for(default_model_gguf())}"
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        folder = path.resolve()
+        files = sorted(p for p in folder.iterdir() if p.is_file() and (
+            p.suffix in (".safetensors", ".json", ".jinja", ".model") and not p.name.startswith(".")))
+        stamp = hashlib.sha256("".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns};" for p in files)
+                               .encode()).hexdigest()[:16]
+        return f"folder:{folder}:{stamp}"
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return f"gguf:{converted_folder_for(path.resolve())}"
+    if looks_like_hub_id(spec):
+        return f"hub:{spec}"
+    raise ModelError(f"Model path '{spec}' does not exist; pass a model folder, a .gguf file or a hub id like org/name.")
+
+
 def looks_like_hub_id(spec: str) -> bool:
     """'org/name' with hub-legal characters, and not spelled like a path or a file."""
     return bool(_HUB_ID.fullmatch(spec)) and not spec.lower().endswith(".gguf") and ".." not in spec

@@ -227,10 +227,11 @@ def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | Non
 
 
 def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
-                    ops: CpuOps | None) -> WeightPlan:
+                    ops: CpuOps | None, hf_config: Any = None) -> WeightPlan:
     """plan_weights for a model folder: its dtype (dtype: --dtype, resolved against its config, or the
     loaded model's; `auto` takes float32 where blocks_choose_float32), and the GGUF file it was converted
-    from, if any, read through the folder's index. The engine loads the model in plan.dtype."""
+    from, if any, read through the folder's index. The engine loads the model in plan.dtype. hf_config: the
+    folder's config where the caller has read it already (load_hf_config)."""
     from pagecli import native
     from pagecli.models import gguf_files
     from pagecli.models.loader import load_hf_config, resolve_dtype
@@ -245,7 +246,8 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
             if quantize == "gguf":
                 raise
             gguf_types = {}  # changed since its conversion: the converted floats still load
-    hf_config = load_hf_config(folder)  # read once: the dtype and the architecture's shape
+    if hf_config is None:
+        hf_config = load_hf_config(folder)  # read once: the dtype and the architecture's shape
     if not isinstance(dtype, torch.dtype):
         auto = dtype == "auto"
         dtype = resolve_dtype(dtype, hf_config, device)

@@ -4,6 +4,7 @@ the disk prefix store and return 0."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -18,10 +19,13 @@ import uvicorn
 
 from pagecli.errors import PagecliError
 from pagecli.models.chat_template import apply_chat_template
+from pagecli.models.source import model_identity
 from pagecli.models.reasoning import prompt_opens_thinking
 from pagecli.models.tool_calls import tool_format_of
+from pagecli.serve import registry
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.engine_thread import EngineHome, EngineThread
+from pagecli.serve.keep_alive import IdleClock, describe
 from pagecli.serve.metrics import ServerMetrics
 from pagecli.serve.ollama_api import ModelFacts
 from pagecli.serve.pool_view import RecentTurns
@@ -40,19 +44,38 @@ class ServeOptions:
     grace_s: float = 30.0  # how long SIGTERM waits for running requests before cancelling them
     screen: bool | None = None  # the live pool panel and request table; default: when stdout is a terminal
     reasoning_format: str = "separate"  # separate: <think> text as reasoning_content; none: left in content
+    keep_alive_s: float | None = None  # stop this long after the last request (and be found in the registry)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, which also tells the engine thread to refuse new jobs once a signal arrives."""
+    """uvicorn's server, which also tells the engine thread to refuse new jobs once a signal arrives (or, with
+    --keep-alive, once no request has come for that long), and calls on_stop first (it leaves the registry)."""
 
     def __init__(self, config: uvicorn.Config, engine_thread: EngineThread, request_log: RequestLog,
-                 grace_s: float) -> None:
+                 grace_s: float, idle: IdleClock | None = None, on_stop: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.engine_thread = engine_thread
         self.request_log = request_log
         self.grace_s = grace_s
+        self.idle = idle
+        self.on_stop = on_stop
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.idle is not None:
+            self.idle.restart()  # the keep-alive window counts from the moment requests are taken
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s on the event loop: with --keep-alive, stop once no request has come for that long."""
+        if self.idle is not None and not self.should_exit and self.idle.expired():
+            self.on_stop()
+            self.request_log.note(f"No request for {describe(self.idle.keep_alive_s)} (--keep-alive): stopping.")
+            self.engine_thread.stop_accepting()
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_stop()  # a client looking for a server must not find this one during the grace period
         if self.engine_thread.accepting:
             self.request_log.note(f"Stopping: no new requests; {self.engine_thread.pending} sequence(s) still "
                                   f"running get up to {self.grace_s:g} s.")
@@ -117,6 +140,7 @@ def _opens_thinking(engine: Any, template: str | None) -> bool:
 def run_server(settings: Any, options: ServeOptions) -> int:
     from pagecli.engine import Engine
 
+    identity = model_identity(settings.model) if options.keep_alive_s is not None else None
     if options.host not in LOOPBACK_HOSTS and not options.api_key:
         say(f"Warning: listening on {options.host} without --api-key: anyone who can reach this machine can use "
             "the model.", style="yellow")
@@ -131,8 +155,9 @@ def run_server(settings: Any, options: ServeOptions) -> int:
                         home=home)
     if screen is not None:
         screen.attach(state.engine_thread)
+    entry = None if identity is None else _entry(settings, options, identity, sock)
     try:
-        _serve(state, sock, options, screen)
+        _serve(state, sock, options, screen, entry)
     finally:
         engine.close()  # waits for the disk prefix store's writes
         for warning in engine.take_warnings():
@@ -154,18 +179,45 @@ def _screen(enabled: bool) -> Any:
     return ServeScreen()
 
 
-def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen: Any) -> None:
+def _entry(settings: Any, options: ServeOptions, identity: str, sock: socket.socket) -> registry.ServerEntry:
+    """What the registry records of this server (pagecli/serve/registry.py)."""
+    return registry.ServerEntry(
+        pid=os.getpid(), host=options.host, port=sock.getsockname()[1], model=settings.model or "",
+        model_identity=identity, engine_digest=registry.engine_digest(settings.engine),
+        api_key_sha256=registry.key_digest(options.api_key) if options.api_key else None,
+        keep_alive_s=float(options.keep_alive_s or 0.0), started=time.time(),
+        sampling=registry.sampling_defaults(settings.sampling))
+
+
+def _serve(state: ServeState, sock: socket.socket, options: ServeOptions, screen: Any,
+           entry: registry.ServerEntry | None = None) -> None:
+    """Serve until a signal, or with --keep-alive until that long without a request; a keep-alive server is in
+    the registry from just before it takes requests until it stops taking them."""
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+    app: Any = create_app(state)
+    idle = None if options.keep_alive_s is None else IdleClock(app, options.keep_alive_s)
+    config = uvicorn.Config(idle or app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=max(1, int(options.grace_s)))
-    server = _Server(config, state.engine_thread, state.log, options.grace_s)
+    recorded: list[Path] = []
+
+    def leave_registry() -> None:
+        while recorded:
+            registry.unregister(recorded.pop())
+
+    server = _Server(config, state.engine_thread, state.log, options.grace_s, idle, on_stop=leave_registry)
     state.engine_thread.start()
-    say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops it); the web page is "
-        f"http://{host}:{port}/")
+    stops = "Ctrl-C or SIGTERM stops it"
+    if idle is not None:
+        stops += f", or {describe(idle.keep_alive_s)} without a request"
     try:
+        if entry is not None:
+            recorded.append(registry.register(entry))
+        say(f"Serving {state.model_ids[0]} on http://{host}:{port}/v1 ({stops}); the web page is "
+            f"http://{host}:{port}/")
         with _signals_end_quietly(), screen or nullcontext():
             server.run(sockets=[sock])
     finally:
+        leave_registry()
         state.engine_thread.stop(options.grace_s)
         sock.close()
     say("Stopped.", style="dim")
