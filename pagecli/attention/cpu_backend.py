@@ -18,6 +18,8 @@ from pagecli.attention.reference_backend import ReferenceAttentionBackend
 from pagecli.kv_format import format_of_cache
 from pagecli.native.interface import CpuOps
 
+SHORT_CHUNK_TOKENS = 16  # chunks up to this long run as decode rows (CpuAttentionBackend._short_chunks_as_decode_rows)
+
 
 class CpuAttentionBackend(ReferenceAttentionBackend):
     def __init__(self, cpu_ops: CpuOps) -> None:
@@ -40,7 +42,8 @@ class CpuAttentionBackend(ReferenceAttentionBackend):
             # The compiled kernels have neither soft-capping nor a window: the PyTorch path for this layer.
             self._sequences(out, query, k_cache, v_cache, meta, scale, 0, softcap, window)
             return out
-        if meta.num_decode_seqs < meta.num_seqs and self._prompts_as_decode_rows(query, k_cache):
+        if meta.num_decode_seqs < meta.num_seqs and (self._prompts_as_decode_rows(query, k_cache)
+                                                     or self._short_chunks_as_decode_rows(query, k_cache, meta)):
             tables, lens = meta.token_rows()
             self.cpu_ops.paged_decode_attention(out, query, k_cache, v_cache, tables, lens, scale)
             return out
@@ -68,6 +71,14 @@ class CpuAttentionBackend(ReferenceAttentionBackend):
     def _native_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (self.cpu_ops is not None and query.device.type == "cpu"
                 and self.cpu_ops.paged_prefill_supported(query, k_cache))
+
+    def _short_chunks_as_decode_rows(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether every chunk of the step is short (speculative decoding's drafts, a small token budget's
+        slices), so each token as a decode row over its causal context beats gathering every context for
+        PyTorch's kernel: a 5-token chunk after 600 cached tokens reads 5 contexts in place instead of
+        copying one and running a prefill. Where no prefill kernel of pagecli's own takes the step."""
+        return (meta.max_query_len <= SHORT_CHUNK_TOKENS and self.native_decode(query, k_cache)
+                and not self._native_prefill(query, k_cache))
 
     def _prompts_as_decode_rows(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether prompts go through the decode kernel, every token a row over its causal context
