@@ -11,6 +11,9 @@ sequence never writes into a block another sequence references. Before new token
 `allocate_slots` gives the sequence its own copy of every shared block those tokens land in
 (in practice the prompt's partial last block, once per candidate but the last) and queues the
 copy (source -> destination) in `pending_copies`, which the engine runs before the step's forward.
+
+A sequence with its own `hash_root` (a LoRA adapter's: engine/adapters.py) chains its blocks from that root,
+so they are found only by sequences of the same adapter.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class KVCacheManager:
         """
         assert not seq.block_table, "match_prefix is for a sequence that holds no blocks"
         max_full_blocks = (seq.num_tokens - 1) // self.block_size
-        parent = self.root_hash
+        parent = self.root_of(seq)
         for i in range(max_full_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = block_hash(parent, tokens)
@@ -108,10 +111,14 @@ class KVCacheManager:
             else:
                 self.pool.release(block)  # a bad entry ended the run: these blocks go back unused
 
-    def cached_prefix(self, token_ids: SequenceOf[int]) -> list[CachedBlock]:
-        """The leading full blocks of token_ids that the pool holds (active or cached), in chain order."""
+    def root_of(self, seq: Sequence) -> bytes:
+        return seq.hash_root if seq.hash_root is not None else self.root_hash
+
+    def cached_prefix(self, token_ids: SequenceOf[int], root: bytes | None = None) -> list[CachedBlock]:
+        """The leading full blocks of token_ids that the pool holds (active or cached), in chain order; root:
+        the chain's root when not the model's (an adapter's)."""
         found: list[CachedBlock] = []
-        parent = self.root_hash
+        parent = self.root_hash if root is None else root
         for depth in range(len(token_ids) // self.block_size):
             tokens = token_ids[depth * self.block_size : (depth + 1) * self.block_size]
             h = block_hash(parent, tokens)
@@ -166,7 +173,7 @@ class KVCacheManager:
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash and register the blocks that computing has filled since the last call."""
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_of(seq)
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = block_hash(parent, tokens)

@@ -15,6 +15,7 @@ from pagecli.attention import AttentionBackend, AttentionMetadata
 from pagecli.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
+from pagecli.models.lora_batch import LoraBatch
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampled] rows of the hidden states whose logits are needed
+    lora: LoraBatch | None = None  # which rows run which LoRA adapter (None: all the base model)
 
 
 class ModelRunner:
@@ -73,13 +75,16 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+            lora=LoraBatch.from_rows((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
+                                     for item in scheduled),
         )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Forward one step; returns logits [num_sampled, vocab] in scheduled order."""
         inputs = self.prepare(scheduled)
-        hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
+                                   inputs.lora)
         # The indices increase, so as many as there are rows means every row (a decode step): no gather.
         if inputs.sample_indices.numel() != hidden.shape[0]:
             hidden = hidden[inputs.sample_indices]
