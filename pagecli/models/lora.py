@@ -87,6 +87,13 @@ def _target_shapes(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
             "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden)}
 
 
+def _checkpoint_targets(spec: DecoderSpec) -> tuple[str, ...]:
+    """The module names an adapter of this model may target: the checkpoint's (fused in Phi-3's)."""
+    if spec.fused_checkpoint:
+        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _read_config(folder: Path, name: str) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not folder.is_dir():
@@ -155,10 +162,10 @@ def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: 
             raise ModelError(f"LoRA adapter '{name}': tensor '{key}' is not a LoRA pair of a decoder layer's "
                              "attention or MLP product, which is all pagecli applies.")
         layer, target, side = int(match.group(1)), match.group(3), match.group(4)
-        if target not in expected or (target in ("qkv_proj", "gate_up_proj")) != spec.fused_checkpoint:
-            known = sorted(t for t in expected if (t in ("qkv_proj", "gate_up_proj")) == spec.fused_checkpoint)
+        known = _checkpoint_targets(spec)
+        if target not in known:
             raise ModelError(f"LoRA adapter '{name}' targets '{target}', which this model does not have; its "
-                             f"products are {', '.join(known)}.")
+                             f"targets are {', '.join(known)}.")
         if layer >= spec.num_layers:
             raise ModelError(f"LoRA adapter '{name}' has layer {layer}; the base model has {spec.num_layers} layers "
                              "(is the adapter for another model?).")
