@@ -94,6 +94,10 @@ class AdapterRegistry:
                      for name, info in self.infos.items())
 
     @property
+    def loaded_bytes(self) -> int:
+        return sum(adapter.nbytes for adapter in self._loaded.values())
+
+    @property
     def budget_bytes(self) -> int:
         """The most adapter bytes memory holds: the max_loras largest adapters."""
         sizes = sorted((s.nbytes for s in self.summaries()), reverse=True)

@@ -159,6 +159,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
+        self._requests_by_adapter: dict[str, int] = {}  # requests added per LoRA adapter
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
 
     @property
@@ -309,6 +310,7 @@ class Engine:
         if sampling.lora is not None:
             seq.lora = self.adapters.get(sampling.lora, self._adapters_in_use())  # RequestError if it cannot run
             seq.hash_root = self.adapters.root_hash(sampling.lora)
+            self._requests_by_adapter[sampling.lora] = self._requests_by_adapter.get(sampling.lora, 0) + 1
         seq.rng = make_random(sampling)
         if sampling.beam_search:
             self.beams.start(seq)  # RequestError if this engine cannot hold the beams
@@ -570,7 +572,10 @@ class Engine:
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
             kv_dtype=self.kv_format.name, quantize=self.quantize, weight_forms=self.plan.summary(),
+            adapter_bytes=self.adapters.loaded_bytes, adapter_budget_bytes=self.adapters.budget_bytes, adapter_requests=tuple(sorted(self._requests_by_adapter.items())),
+            adapter_blocks=tuple(sorted(self.kv.blocks_by_adapter().items())),
         )
+
 
 
 def _adapter_order(item: Any) -> tuple[bool, str, float]:

@@ -54,6 +54,9 @@ class KVCacheManager:
         # Sharing counters, in blocks: references forks took instead of allocating, and the copies made.
         self.fork_block_shares = 0
         self.cow_block_copies = 0
+        # The adapter whose chain each registered hash of an adapter's sequence belongs to (the base's are not
+        # kept), for the per-adapter block counts; entries of hashes the pool no longer holds are dropped.
+        self._adapter_of_hash: dict[bytes, str] = {}
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -106,6 +109,7 @@ class KVCacheManager:
         for i, block in enumerate(blocks):
             if i < num_loaded:
                 self.pool.register(block, hashes[i], token_blocks[i])
+                self._note_adapter(seq, hashes[i])
                 seq.block_table.append(block.block_id)
                 seq.block_hashes.append(hashes[i])
             else:
@@ -179,6 +183,26 @@ class KVCacheManager:
             parent = block_hash(parent, tokens)
             seq.block_hashes.append(parent)
             self.pool.register(self.pool.blocks[seq.block_table[i]], parent, tokens)
+            self._note_adapter(seq, parent)
+
+    def _note_adapter(self, seq: Sequence, block_hash: bytes) -> None:
+        if seq.lora is None:
+            return
+        if len(self._adapter_of_hash) > 2 * self.pool.num_blocks:
+            held = {block.block_hash for block in self.pool.blocks.made() if block.block_hash is not None}
+            self._adapter_of_hash = {h: name for h, name in self._adapter_of_hash.items() if h in held}
+        self._adapter_of_hash[block_hash] = seq.lora.name
+
+    def blocks_by_adapter(self) -> dict[str, int]:
+        """Per adapter, the pool's blocks (active or cached) that hold its hashed prefixes."""
+        counts: dict[str, int] = {}
+        if not self._adapter_of_hash:
+            return counts
+        for block in self.pool.blocks.made():
+            name = None if block.block_hash is None else self._adapter_of_hash.get(block.block_hash)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

@@ -51,6 +51,13 @@ class EngineStats:
     kv_dtype: str = ""  # the KV cache's format (--kv-dtype resolved: the model's dtype, or int8/fp8/...)
     quantize: str = "none"  # the decoder weights' form (--quantize resolved: none, int8, int4, gguf)
     weight_forms: str = ""  # how the weights are kept, in a few words (models.weight_plan.WeightPlan.summary)
+    # LoRA adapters (--lora): bytes of those in memory, and the most they may hold (the --max-loras largest);
+    # per adapter, the requests added so far and the pool blocks that hold its prefixes (active or cached), as
+    # (name, count) pairs; the base model's are not listed.
+    adapter_bytes: int = 0
+    adapter_budget_bytes: int = 0
+    adapter_requests: tuple[tuple[str, int], ...] = ()
+    adapter_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_bytes_used(self) -> int:
@@ -83,6 +90,9 @@ class EngineStats:
         names = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in names}
         values["block_states"] = None if block_map is None else tuple(_STATE_OF_LETTER[c] for c in block_map)
+        for key in ("adapter_requests", "adapter_blocks"):  # JSON gives lists of [name, count]
+            if key in values:
+                values[key] = tuple((str(name), int(count)) for name, count in values[key])
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
