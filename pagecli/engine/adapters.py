@@ -22,6 +22,7 @@ import torch
 from pagecli.engine.hashing import root_hash
 from pagecli.errors import RequestError
 from pagecli.models.lora import AdapterInfo, LoraAdapter, adapter_bytes, inspect_adapter, load_adapter
+from pagecli.models.lora_slots import AdapterSlots
 from pagecli.models.spec import DecoderSpec
 
 
@@ -53,6 +54,7 @@ class AdapterRegistry:
         for name, path in pairs:
             self.register(name, path)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        self.slots = AdapterSlots()  # the loaded adapters stacked, for a step's decode rows of many adapters
         self.loads = 0
 
     def register(self, name: str, path: str) -> AdapterInfo:
@@ -85,8 +87,14 @@ class AdapterRegistry:
             del self._loaded[idle]
         adapter = load_adapter(self.infos[name], self.spec, self.dtype, self.device)
         self._loaded[name] = adapter
+        self.slots.rebuild(list(self._loaded.values()))
         self.loads += 1
         return adapter
+
+    @property
+    def stacked_bytes(self) -> int:
+        """The stacks' copy of the loaded adapters (padded to each product's largest rank)."""
+        return sum(t.numel() * t.element_size() for layer in self.slots.stacks for pair in layer.values() for t in pair)
 
     def summaries(self) -> tuple[AdapterSummary, ...]:
         return tuple(AdapterSummary(name, str(info.folder), info.rank, info.targets,
@@ -95,10 +103,11 @@ class AdapterRegistry:
 
     @property
     def loaded_bytes(self) -> int:
-        return sum(adapter.nbytes for adapter in self._loaded.values())
+        return sum(adapter.nbytes for adapter in self._loaded.values()) + self.stacked_bytes
 
     @property
     def budget_bytes(self) -> int:
-        """The most adapter bytes memory holds: the max_loras largest adapters."""
+        """About the most adapter bytes memory holds: the max_loras largest adapters, twice (their own pairs, and
+        their copy in the stacks that batch their decode rows)."""
         sizes = sorted((s.nbytes for s in self.summaries()), reverse=True)
-        return sum(sizes[: self.max_loras])
+        return 2 * sum(sizes[: self.max_loras])

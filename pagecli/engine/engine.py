@@ -216,7 +216,8 @@ class Engine:
     def _allocate_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""
         try:
-            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size, self.kv_format)
+            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size, self.kv_format,
+                               self.adapters.slots)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one too
             if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "allocate" in str(exc)):
                 raise

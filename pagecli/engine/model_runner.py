@@ -16,6 +16,7 @@ from pagecli.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
 from pagecli.models.lora_batch import LoraBatch
+from pagecli.models.lora_slots import AdapterSlots
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 kv_format: KVFormat | None = None) -> None:
+                 kv_format: KVFormat | None = None, lora_slots: AdapterSlots | None = None) -> None:
         self.loaded = loaded
+        self.lora_slots = lora_slots  # the loaded LoRA adapters stacked (engine/adapters.py), when there are any
         self.backend = backend
         self.block_size = block_size
         spec = loaded.spec
@@ -75,8 +77,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-            lora=LoraBatch.from_rows((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
-                                     for item in scheduled),
+            lora=LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
+                                      for item in scheduled), self.lora_slots, device),
         )
 
     @torch.inference_mode()

@@ -63,7 +63,7 @@ class AdapterInfo:
     ranks: dict[str, int]  # "N.target" -> r
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: one loaded adapter is one object
 class LoraAdapter:
     info: AdapterInfo
     layers: tuple[dict[str, LowRank], ...]  # per decoder layer: product name (qkv_proj, ...) -> its pair
