@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -14,8 +14,11 @@ from pagecli.ui.progress import say
 def models(
     prepare: Annotated[bool, typer.Option("--prepare", help="Convert the embedded default model now "
                                                            "(install.sh runs this), so the first run does not wait.")] = False,
+    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="Also describe these LoRA adapters "
+                                                                     "(NAME=PATH, repeatable): rank, targets, size.",
+                                                      metavar="NAME=PATH")] = None,
 ) -> None:
-    """List the embedded default model and the models converted into pagecli's cache."""
+    """List the embedded default model and the models converted into pagecli's cache (and LoRA adapters given)."""
     from pagecli.models import source
     from pagecli.paths import models_dir
 
@@ -37,6 +40,17 @@ def models(
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
+    if lora:
+        _describe_adapters(lora)
+
+
+def _describe_adapters(values: list[str]) -> None:
+    """Each --lora adapter in one line (a running server lists its own at GET /v1/models)."""
+    from pagecli.cli.options import lora_pairs
+    from pagecli.models.lora import describe_folder
+
+    for name, path in lora_pairs(values):
+        typer.echo(f"lora         {describe_folder(name, path)}")
 
 
 def _weights_path(gguf_path, folder) -> str:

@@ -96,7 +96,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("lora", "loras", Optional[list[str]], _opt(
         "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder); repeatable. "
                        "Requests pick one by name (JSONL \"lora\", the API's \"model\", chat's /lora NAME).",
-        metavar="NAME=PATH"), when_given=lambda pairs: _lora_pairs(pairs) or None),
+        metavar="NAME=PATH"), when_given=lambda pairs: lora_pairs(pairs) or None),
     Flag("max_loras", "max_loras", Optional[int], _opt(
         "--max-loras", help="LoRA adapters held in memory at once (default 8); each loads on first use, the least "
                             "recently used idle one making room.", metavar="N")),
@@ -107,7 +107,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                                "shared by two or more requests."), value=False),
 )
 
-def _lora_pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
+def lora_pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
     """--lora NAME=PATH values as (name, path) pairs; one sentence for a value without both."""
     pairs = []
     for value in values:

@@ -197,6 +197,29 @@ def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: 
                        num_params, scalings, ranks)
 
 
+def describe_folder(name: str, folder: str | Path) -> str:
+    """One line on a PEFT adapter folder without a base model to check it against (`pagecli models --lora`):
+    its ranks, targets, scaling and size on disk; ModelError for a folder that is not one."""
+    folder = Path(folder).expanduser()
+    config = _read_config(folder, name)
+    shapes = _tensor_shapes(folder / WEIGHTS_FILE, name)
+    targets, ranks, layers = set(), set(), set()
+    for key, shape in shapes.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise ModelError(f"LoRA adapter '{name}': tensor '{key}' is not a LoRA pair of a decoder layer's "
+                             "attention or MLP product, which is all pagecli applies.")
+        layers.add(int(match.group(1)))
+        targets.add(match.group(3))
+        if match.group(4) == "A":
+            ranks.add(shape[0])
+    rank_text = "/".join(str(r) for r in sorted(ranks))
+    scaling = "rsLoRA alpha/sqrt(r)" if config.get("use_rslora") else "alpha/r"
+    size_mb = (folder / WEIGHTS_FILE).stat().st_size / 1e6
+    return (f"{name}  rank {rank_text}, alpha {config.get('lora_alpha', 8)} ({scaling}), {len(layers)} layers, "
+            f"{', '.join(sorted(targets))}; {size_mb:,.1f} MB  {folder}")
+
+
 def _submodule(target: str) -> str:
     """The submodule a target lives in: self_attn or mlp."""
     return "mlp" if target in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
