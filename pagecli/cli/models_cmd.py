@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -10,18 +10,20 @@ from pagecli.cli.app import app
 from pagecli.ui.progress import say
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def models(
+    ctx: typer.Context,
     prepare: Annotated[bool, typer.Option("--prepare", help="Convert the embedded default model now "
                                                            "(install.sh runs this), so the first run does not wait.")] = False,
-    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="Also describe these LoRA adapters "
-                                                                     "(NAME=PATH, repeatable): rank, targets, size.",
-                                                      metavar="NAME=PATH")] = None,
 ) -> None:
-    """List the embedded default model and the models converted into pagecli's cache (and LoRA adapters given)."""
+    """List the embedded default model and the models converted into pagecli's cache; `--lora NAME=PATH`
+    (repeatable) also describes LoRA adapter folders: rank, alpha, targets, size."""
     from pagecli.models import source
     from pagecli.paths import models_dir
 
+    # --lora is read from the extra arguments: Typer coerces every declared non-bool option through pydantic,
+    # which `pagecli models` must not import (tests/test_startup_imports.py).
+    adapters = _lora_values(list(ctx.args))
     if prepare:
         folder = source.prepare_default_model(progress=lambda msg: say(msg, style="dim"))
         typer.echo(f"Default model ready: {folder}")
@@ -40,8 +42,24 @@ def models(
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
-    if lora:
-        _describe_adapters(lora)
+    if adapters:
+        _describe_adapters(adapters)
+
+
+def _lora_values(args: list[str]) -> list[str]:
+    """The NAME=PATH values of `--lora NAME=PATH` / `--lora=NAME=PATH`; anything else is one sentence."""
+    from pagecli.errors import PagecliError
+
+    values = []
+    while args:
+        arg = args.pop(0)
+        if arg == "--lora" and args:
+            values.append(args.pop(0))
+        elif arg.startswith("--lora="):
+            values.append(arg.removeprefix("--lora="))
+        else:
+            raise PagecliError(f"`pagecli models` takes --prepare and --lora NAME=PATH; '{arg}' is neither.")
+    return values
 
 
 def _describe_adapters(values: list[str]) -> None:
