@@ -124,6 +124,7 @@ def main() -> None:
             start = time.perf_counter()
             tokens = run(round_index)
             rates[name].append(tokens / (time.perf_counter() - start))
+            print(f"round {round_index + 1} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     print(f"{cpu_name()}; {args.threads} threads; embedded SmolLM2-135M ({mixed.plan.summary()} for base and "
           f"mixed, float32 merged); {args.prompts} prompts x {args.max_tokens} tokens; {args.adapters} adapters of "
           f"rank {args.rank} (q/k/v/o + MLP) and the base; {args.reps} alternating rounds")
