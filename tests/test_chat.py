@@ -102,7 +102,7 @@ def test_slash_commands_do_what_they_say(tiny_llama):
 
     chat.handle_line("/help")
     assert [usage.split()[0] for usage, _ in view.help_rows] == [
-        "/help", "/system", "/reset", "/retry", "/undo", "/save", "/load", "/stats", "/pool", "/set", "/format",
+        "/help", "/system", "/reset", "/retry", "/undo", "/save", "/load", "/stats", "/pool", "/set", "/format", "/lora",
         "/exit"]
     chat.handle_line("/system Answer in one word.")
     assert chat.conversation.system == "Answer in one word."

@@ -1,6 +1,7 @@
 """Batch input for `pagecli generate` (and `bench run FILE`): the input's lines, made into requests.
 
-Input: JSONL (`prompt` or `messages`, optional `id`, sampling fields and `response_format`), OpenAI batch-request
+Input: JSONL (`prompt` or `messages`, optional `id`, sampling fields (`lora` and `lora_scale` among them: the LoRA
+adapter a line runs) and `response_format`), OpenAI batch-request
 lines (`custom_id`, `method`, `url`, `body.messages`, `body.max_completion_tokens`, ...), or plain
 text with one prompt per line. Lines end at `\\n` only (a `\\r` before it is dropped), so U+2028,
 U+0085 or a form feed inside a prompt never splits it; the encoding and the line-length limit are
@@ -29,12 +30,13 @@ from pagecli.models.messages import Conversation, read_messages
 from pagecli.models.tools import ToolRequest
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "seed", "stop")
+                 "frequency_penalty", "logit_bias", "seed", "stop", "lora", "lora_scale")
 _OPENAI_KEY_ALIASES = {"max_completion_tokens": "max_tokens"}
 BEAM_KEYS = ("beam_width", "length_penalty", "early_stopping")  # generate only (engine/beam.py)
 _NUMERIC_KEYS = {"beam_width": int, "length_penalty": float,
                  "max_tokens": int, "top_k": int, "seed": int, "temperature": float, "top_p": float, "min_p": float,
-                 "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "n": int}
+                 "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "n": int,
+                 "lora_scale": float}
 # Fields pagecli does not implement, with the values that ask for nothing: any other value is the
 # line's error, never silently dropped (an answer without the logprobs asked for looks like a bug).
 _UNSUPPORTED_KEYS = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
@@ -175,6 +177,8 @@ def sampling_with(base: SamplingParams, overrides: dict[str, Any]) -> SamplingPa
             value = tuple(value)
         elif key == "logit_bias" and not isinstance(value, dict):
             raise RequestError("'logit_bias' must be an object mapping token ids to biases")
+        elif key == "lora" and not (isinstance(value, str) and value):
+            raise RequestError("'lora' must name a LoRA adapter the engine was started with (--lora NAME=PATH)")
         values[key] = value
     try:
         return SamplingParams(**values)

@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "repetition_penalty, presence_penalty, frequency_penalty (no argument: show them)"),
     "format": ("/format [json | SCHEMA_FILE | off]", "replies as any JSON object, as the JSON schema in a file "
                "says, or free text again (no argument: show)"),
+    "lora": ("/lora [NAME [SCALE] | off]", "replies from a LoRA adapter given with --lora (and its scale), or from "
+             "the base model again (no argument: show the adapters)"),
     "exit": ("/exit", "leave (also /quit, Ctrl-D)"),
 }
 _ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help"}

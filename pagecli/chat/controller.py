@@ -151,7 +151,9 @@ class ChatController:
         """Hand the conversation's ids to the disk prefix store (tier 2), so that a later process
         (`--resume`, /load) prefills only its new message. Engines without a store skip this."""
         persist_prefix = getattr(self.engine, "persist_prefix", None)
-        if persist_prefix is not None:
+        if persist_prefix is not None and self.sampling.lora is not None:
+            persist_prefix(conversation_token_ids, self.sampling.lora)  # the adapter's own chains
+        elif persist_prefix is not None:
             persist_prefix(conversation_token_ids)
 
     def _engine_warnings(self) -> list[str]:

@@ -134,6 +134,32 @@ def output_format(chat: ChatController, argument: str) -> None:
     chat.view.notice(describe_format(chat.sampling.structured))
 
 
+def lora(chat: ChatController, argument: str) -> None:
+    """`/lora NAME [SCALE]`: the next replies from that adapter (its own prefix-cache blocks); `/lora off`: the
+    base model again. Each adapter's replies build on the same conversation text."""
+    adapters = getattr(chat.engine, "adapters", None)
+    names = tuple(adapters.names) if adapters is not None else ()
+    if not argument:
+        current = chat.sampling.lora
+        shown = ", ".join(names) if names else "none (start chat with --lora NAME=PATH)"
+        chat.view.notice(f"LoRA adapter: {current or 'none (the base model)'}; adapters: {shown}.")
+        return
+    name, _, scale_text = argument.partition(" ")
+    if name.lower() == "off":
+        chat.sampling = replace(chat.sampling, lora=None, lora_scale=1.0)
+        chat.view.notice("Replies come from the base model.")
+        return
+    if name not in names:
+        shown = ", ".join(names) if names else "none (start chat with --lora NAME=PATH)"
+        raise PagecliError(f"No LoRA adapter named '{name}'; this chat has: {shown}.")
+    try:
+        scale = float(scale_text) if scale_text.strip() else 1.0
+    except ValueError:
+        raise PagecliError(f"/lora's scale must be a number (got '{scale_text.strip()}').") from None
+    chat.sampling = replace(chat.sampling, lora=name, lora_scale=scale)
+    chat.view.notice(f"Replies come from LoRA adapter '{name}'" + (f" at scale {scale:g}." if scale != 1 else "."))
+
+
 def _preview(text: str) -> str:
     line = " ".join(text.split())
     return f"'{line}'" if len(line) <= _PREVIEW_CHARS else f"'{line[:_PREVIEW_CHARS - 3]}...'"
@@ -141,5 +167,5 @@ def _preview(text: str) -> str:
 
 HANDLERS: dict[str, Callable[[ChatController, str], None]] = {
     "help": show_help, "system": system, "reset": reset, "retry": retry, "undo": undo, "save": save, "load": load,
-    "stats": stats, "pool": pool, "set": set_sampling, "format": output_format,
+    "stats": stats, "pool": pool, "set": set_sampling, "format": output_format, "lora": lora,
 }

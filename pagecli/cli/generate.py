@@ -21,7 +21,7 @@ from pagecli.batch.submit import submit_line
 from pagecli.config import RunSettings
 from pagecli.errors import PagecliError
 from pagecli.serve.registry import ServerEntry
-from pagecli.ui.progress import GenerateProgress, load_summary, say
+from pagecli.ui.progress import GenerateProgress, adapter_text, load_summary, say
 
 def run_generate(settings: RunSettings, input_path: str, output_path: str, fmt: str,
                  progress: bool | None, retry_errors: bool = False, cluster: Any = None,
@@ -176,7 +176,7 @@ def _summary(engine: Any, total: int, errors: int, tokens: int, elapsed_s: float
         f"Done: {total - errors} completions, {errors} errors; {tokens} tokens in {elapsed_s:.1f} s "
         f"({tokens / max(elapsed_s, 1e-9):.1f} tok/s); prefix cache served {stats.prefix_hit_rate:.0%} of prompt "
         f"tokens ({stats.prefix_disk_hit_tokens / max(stats.prefix_query_tokens, 1):.0%} from disk); "
-        f"{stats.num_preemptions} preemptions{_sharing(stats)}{_speculation(stats)}."
+        f"{stats.num_preemptions} preemptions{_sharing(stats)}{_speculation(stats)}{_adapters(stats)}."
     )
 
 
@@ -186,6 +186,12 @@ def _speculation(stats: Any) -> str:
         return ""
     return (f"; speculation accepted {stats.spec_acceptance:.0%} of {stats.spec_drafts} drafts, "
             f"{stats.spec_tokens / stats.spec_passes:.2f} tokens per checking pass")
+
+
+def _adapters(stats: Any) -> str:
+    """Requests and cached blocks per LoRA adapter; nothing when no line named one."""
+    text = adapter_text(stats)
+    return f"; LoRA adapters: {text}" if text else ""
 
 
 def _sharing(stats: Any) -> str:

@@ -10,15 +10,20 @@ from pagecli.cli.app import app
 from pagecli.ui.progress import say
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def models(
+    ctx: typer.Context,
     prepare: Annotated[bool, typer.Option("--prepare", help="Convert the embedded default model now "
                                                            "(install.sh runs this), so the first run does not wait.")] = False,
 ) -> None:
-    """List the embedded default model and the models converted into pagecli's cache."""
+    """List the embedded default model and the models converted into pagecli's cache; `--lora NAME=PATH`
+    (repeatable) also describes LoRA adapter folders: rank, alpha, targets, size."""
     from pagecli.models import source
     from pagecli.paths import models_dir
 
+    # --lora is read from the extra arguments: Typer coerces every declared non-bool option through pydantic,
+    # which `pagecli models` must not import (tests/test_startup_imports.py).
+    adapters = _lora_values(list(ctx.args))
     if prepare:
         folder = source.prepare_default_model(progress=lambda msg: say(msg, style="dim"))
         typer.echo(f"Default model ready: {folder}")
@@ -37,6 +42,33 @@ def models(
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
+    if adapters:
+        _describe_adapters(adapters)
+
+
+def _lora_values(args: list[str]) -> list[str]:
+    """The NAME=PATH values of `--lora NAME=PATH` / `--lora=NAME=PATH`; anything else is one sentence."""
+    from pagecli.errors import PagecliError
+
+    values = []
+    while args:
+        arg = args.pop(0)
+        if arg == "--lora" and args:
+            values.append(args.pop(0))
+        elif arg.startswith("--lora="):
+            values.append(arg.removeprefix("--lora="))
+        else:
+            raise PagecliError(f"`pagecli models` takes --prepare and --lora NAME=PATH; '{arg}' is neither.")
+    return values
+
+
+def _describe_adapters(values: list[str]) -> None:
+    """Each --lora adapter in one line (a running server lists its own at GET /v1/models)."""
+    from pagecli.cli.options import lora_pairs
+    from pagecli.models.lora import describe_folder
+
+    for name, path in lora_pairs(values):
+        typer.echo(f"lora         {describe_folder(name, path)}")
 
 
 def _weights_path(gguf_path, folder) -> str:

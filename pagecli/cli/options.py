@@ -101,10 +101,30 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         metavar="KIND")),
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
+    Flag("lora", "loras", Optional[list[str]], _opt(
+        "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder); repeatable. "
+                       "Requests pick one by name (JSONL \"lora\", the API's \"model\", chat's /lora NAME).",
+        metavar="NAME=PATH"), when_given=lambda pairs: lora_pairs(pairs) or None),
+    Flag("max_loras", "max_loras", Optional[int], _opt(
+        "--max-loras", help="LoRA adapters held in memory at once (default 8); each loads on first use, the least "
+                            "recently used idle one making room.", metavar="N")),
+    Flag("max_lora_rank", "max_lora_rank", Optional[int], _opt(
+        "--max-lora-rank", help="Refuse adapters of a higher rank (default 64).", metavar="R")),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),
 )
+
+def lora_pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """--lora NAME=PATH values as (name, path) pairs; one sentence for a value without both."""
+    pairs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not (sep and name.strip() and path.strip()):
+            raise PagecliError(f"--lora takes NAME=PATH (an adapter's name, then its PEFT folder); got '{value}'.")
+        pairs.append((name.strip(), path.strip()))
+    return tuple(pairs)
+
 
 SAMPLING_FLAGS: tuple[Flag, ...] = (
     Flag("max_tokens", "max_tokens", Optional[int], _opt(

@@ -31,6 +31,9 @@ MAX_GIB = float(1 << 20)  # a pebibyte: any larger size is a typo, and its byte 
 MAX_CANDIDATES = 256  # n per request: more is a typo, and each candidate is a running sequence
 MAX_LENGTH_PENALTY = 10.0  # beams score by generated_len ** length_penalty: finite for any length (1e6 ** 10)
 MAX_THREADS = 1024  # more than the largest machines' cores; torch would try to start them all
+DEFAULT_MAX_LORAS = 8  # LoRA adapters held in memory at once (each loaded on first use)
+DEFAULT_MAX_LORA_RANK = 64  # an adapter of a higher rank is refused at start
+MAX_LORA_SCALE = 100.0  # a request's lora_scale beyond this is a typo
 
 
 def _require(condition: bool, message: str) -> None:
@@ -89,8 +92,16 @@ class EngineConfig:
     speculate: str = "off"
     num_speculative_tokens: int = 4  # drafts checked per step and sequence
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
+    # LoRA adapters a request may name (`lora`): (name, path to a PEFT folder) pairs; a dict is taken too.
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = DEFAULT_MAX_LORAS  # adapters in memory at once: least recently used ones make room
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
     def __post_init__(self) -> None:
+        if isinstance(self.loras, dict):
+            object.__setattr__(self, "loras", tuple((str(k), str(v)) for k, v in self.loras.items()))
+        elif isinstance(self.loras, list):
+            object.__setattr__(self, "loras", tuple(tuple(pair) for pair in self.loras))
         _require_finite_numbers(self)
         _require(self.speculate in SPECULATE_CHOICES,
                  f"speculate must be one of {', '.join(SPECULATE_CHOICES)} (got '{self.speculate}').")
@@ -122,6 +133,16 @@ class EngineConfig:
                  f"quantize must be one of {', '.join(QUANTIZE_CHOICES)} (got '{self.quantize}').")
         _require(self.kv_dtype in KV_DTYPE_CHOICES,
                  f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)} (got '{self.kv_dtype}').")
+        self._check_loras()
+
+    def _check_loras(self) -> None:
+        _require(all(isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(p, str) and p for p in pair)
+                     for pair in self.loras), "loras must be NAME=PATH pairs, each with a name and a path.")
+        names = [name for name, _ in self.loras]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        _require(duplicate is None, f"LoRA adapter name '{duplicate}' is given twice; give each adapter its own name.")
+        _require(self.max_loras >= 1, f"max_loras must be at least 1 (got {self.max_loras}).")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be at least 1 (got {self.max_lora_rank}).")
 
 
 @dataclass(frozen=True)
@@ -156,6 +177,11 @@ class SamplingParams:
     early_stopping: bool | str = False
     # Constrained decoding (engine/structured.py): the output follows this JSON schema, regex, choice or grammar.
     structured: StructuredSpec | None = None
+    # Which LoRA adapter (a name the engine was given) runs this request, None: the base model; lora_scale
+    # multiplies the adapter's own scaling (llama.cpp's --lora-scaled). Carried here with the request's other
+    # per-request options so every path in (JSONL, the APIs, chat) hands it to the engine unchanged.
+    lora: str | None = None
+    lora_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,6 +212,10 @@ class SamplingParams:
         _require(self.seed is None or self.seed + self.n - 1 < (1 << 64),
                  f"seed + n - 1 must fit in 64 bits: candidate i samples with seed + i (got seed {self.seed}).")
         self._check_beam_search()
+        _require(self.lora is None or (isinstance(self.lora, str) and bool(self.lora)),
+                 "lora must name an adapter (or be left out for the base model).")
+        _require(0 <= self.lora_scale <= MAX_LORA_SCALE,
+                 f"lora_scale must be between 0 and {MAX_LORA_SCALE:g} (got {self.lora_scale}).")
         _require(self.structured is None or isinstance(self.structured, StructuredSpec),
                  "structured must be a StructuredSpec (pagecli.config.structured).")
         _require(self.structured is None or self.beam_width == 1,

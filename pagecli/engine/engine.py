@@ -25,6 +25,7 @@ from pagecli.attention import select_backend
 from pagecli.kv_format import resolve_kv_format
 from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
 from pagecli.config.structured import StructuredSpec
+from pagecli.engine.adapters import AdapterRegistry
 from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
@@ -146,6 +147,9 @@ class Engine:
             loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.quantize, self.kv_format),
             self.config.block_size,
         )
+        # LoRA adapters: checked now (a mismatched one stops here), loaded on first use; not in the pool's budget.
+        self.adapters = AdapterRegistry(self.config.loras, spec, loaded.dtype, loaded.device, self.config.max_loras,
+                                        self.config.max_lora_rank, self.fingerprint)
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         if loaded.device.type == "cpu":
@@ -164,6 +168,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
+        self._requests_by_adapter: dict[str, int] = {}  # requests added per LoRA adapter
         self.weights_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
 
     @property
@@ -215,7 +220,8 @@ class Engine:
     def _allocate_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""
         try:
-            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size, self.kv_format)
+            return ModelRunner(self.loaded, self.backend, num_blocks, self.config.block_size, self.kv_format,
+                               self.adapters.slots)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one too
             if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "allocate" in str(exc)):
                 raise
@@ -306,6 +312,10 @@ class Engine:
         if request_id in self._requests:
             raise PagecliError(f"Request id '{request_id}' is already in use.")
         seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
+        if sampling.lora is not None:
+            seq.lora = self.adapters.get(sampling.lora, self._adapters_in_use())  # RequestError if it cannot run
+            seq.hash_root = self.adapters.root_hash(sampling.lora)
+            self._requests_by_adapter[sampling.lora] = self._requests_by_adapter.get(sampling.lora, 0) + 1
         seq.rng = make_random(sampling)
         if sampling.beam_search:
             self.beams.start(seq)  # RequestError if this engine cannot hold the beams
@@ -314,6 +324,9 @@ class Engine:
         self._requests[request_id] = {0: _Request(seq, self.tokenizer)}
         self.scheduler.add(seq)
         return request_id
+
+    def _adapters_in_use(self) -> set[str]:
+        return {seq.lora.name for seq in (*self.scheduler.running, *self.scheduler.waiting) if seq.lora is not None}
 
     def check_structured(self, spec: StructuredSpec) -> None:
         """Compile spec now (kept for the requests that use it); RequestError where it cannot be enforced."""
@@ -343,6 +356,9 @@ class Engine:
             plan = self.speculator.settle(plan, drafted)
         if plan.is_empty:
             raise RuntimeError("scheduler made no progress with requests pending")  # a bug, not a user error
+        if any(item.seq.lora is not None for item in plan.scheduled):
+            # One adapter's rows together (decodes still first): its low-rank adds run on contiguous slices.
+            plan.scheduled.sort(key=_adapter_order)
         self.runner.copy_blocks(self.kv.take_pending_copies())  # copy-on-write, before anything writes
         sampled = [item.seq for item in plan.scheduled if item.samples]
         logits = self.runner.execute(plan.scheduled)
@@ -471,10 +487,11 @@ class Engine:
         (so two or more requests used them), or all its prompt blocks with disk_cache_all_prompts."""
         if self.disk is None or seq.candidate_index != 0:
             return  # the candidates of a request share one prompt: it is stored once
+        lora = None if seq.lora is None else seq.lora.name
         if self.config.disk_cache_all_prompts:
-            self.persist_prefix(seq.prompt_token_ids)
+            self.persist_prefix(seq.prompt_token_ids, lora)
         elif seq.num_cached_tokens:
-            self.persist_prefix(seq.prompt_token_ids[: seq.num_cached_tokens])
+            self.persist_prefix(seq.prompt_token_ids[: seq.num_cached_tokens], lora)
 
     def _event(self, req: _Request, token_id: int | None, reason: str | None) -> RequestEvent:
         seq = req.seq
@@ -525,17 +542,19 @@ class Engine:
         return [done[(i, index)] for i in ids for index in range(n)]
 
     # --- disk prefix store ----------------------------------------------------------------------
-    def persist_prefix(self, token_ids: SequenceOf[int]) -> int:
+    def persist_prefix(self, token_ids: SequenceOf[int], lora: str | None = None) -> int:
         """Keep the full blocks of token_ids that the pool holds in the disk prefix store.
 
         Chat calls this at the end of each turn with the conversation's ids so far (prompt and
         reply), so a later process (`chat --resume`) prefills only the new message. The KV is
         copied out here; serializing and writing happen on a background thread. Blocks the
-        store already has are skipped. Returns how many blocks were queued (0 without a store).
+        store already has are skipped. Returns how many blocks were queued (0 without a store). lora: the
+        adapter the blocks were computed under (its own chains), None for the base model.
         """
         if self.disk is None:
             return 0
-        return self.disk.persist(self.kv.cached_prefix(token_ids))
+        root = None if lora is None else self.adapters.root_hash(lora)
+        return self.disk.persist(self.kv.cached_prefix(token_ids, root))
 
     def flush_disk_writes(self) -> None:
         """Wait until every queued disk store write has finished."""
@@ -584,8 +603,18 @@ class Engine:
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
             kv_dtype=self.kv_format.name, quantize=self.quantize, weight_forms=self.plan.summary(),
+            adapter_bytes=self.adapters.loaded_bytes, adapter_budget_bytes=self.adapters.budget_bytes, adapter_requests=tuple(sorted(self._requests_by_adapter.items())),
+            adapter_blocks=tuple(sorted(self.kv.blocks_by_adapter().items())),
             **(self.speculator.counts() if self.speculator else {}),
         )
+
+
+
+def _adapter_order(item: Any) -> tuple[bool, str, float]:
+    """Sort key of a scheduled chunk: single-token chunks first (the attention backends read them so), then
+    by adapter and scale (the base model's rows, named "", first)."""
+    seq = item.seq
+    return item.num_new_tokens != 1, "" if seq.lora is None else seq.lora.name, seq.sampling.lora_scale
 
 
 def _grammar_accepts(seq: Sequence, token_id: int) -> bool:

@@ -11,6 +11,9 @@ sequence never writes into a block another sequence references. Before new token
 `allocate_slots` gives the sequence its own copy of every shared block those tokens land in
 (in practice the prompt's partial last block, once per candidate but the last) and queues the
 copy (source -> destination) in `pending_copies`, which the engine runs before the step's forward.
+
+A sequence with its own `hash_root` (a LoRA adapter's: engine/adapters.py) chains its blocks from that root,
+so they are found only by sequences of the same adapter.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class KVCacheManager:
         # Sharing counters, in blocks: references forks took instead of allocating, and the copies made.
         self.fork_block_shares = 0
         self.cow_block_copies = 0
+        # The adapter whose chain each registered hash of an adapter's sequence belongs to (the base's are not
+        # kept), for the per-adapter block counts; entries of hashes the pool no longer holds are dropped.
+        self._adapter_of_hash: dict[bytes, str] = {}
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -63,7 +69,7 @@ class KVCacheManager:
         """
         assert not seq.block_table, "match_prefix is for a sequence that holds no blocks"
         max_full_blocks = (seq.num_tokens - 1) // self.block_size
-        parent = self.root_hash
+        parent = self.root_of(seq)
         for i in range(max_full_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = block_hash(parent, tokens)
@@ -103,15 +109,20 @@ class KVCacheManager:
         for i, block in enumerate(blocks):
             if i < num_loaded:
                 self.pool.register(block, hashes[i], token_blocks[i])
+                self._note_adapter(seq, hashes[i])
                 seq.block_table.append(block.block_id)
                 seq.block_hashes.append(hashes[i])
             else:
                 self.pool.release(block)  # a bad entry ended the run: these blocks go back unused
 
-    def cached_prefix(self, token_ids: SequenceOf[int]) -> list[CachedBlock]:
-        """The leading full blocks of token_ids that the pool holds (active or cached), in chain order."""
+    def root_of(self, seq: Sequence) -> bytes:
+        return seq.hash_root if seq.hash_root is not None else self.root_hash
+
+    def cached_prefix(self, token_ids: SequenceOf[int], root: bytes | None = None) -> list[CachedBlock]:
+        """The leading full blocks of token_ids that the pool holds (active or cached), in chain order; root:
+        the chain's root when not the model's (an adapter's)."""
         found: list[CachedBlock] = []
-        parent = self.root_hash
+        parent = self.root_hash if root is None else root
         for depth in range(len(token_ids) // self.block_size):
             tokens = token_ids[depth * self.block_size : (depth + 1) * self.block_size]
             h = block_hash(parent, tokens)
@@ -166,12 +177,32 @@ class KVCacheManager:
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash and register the blocks that computing has filled since the last call."""
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_of(seq)
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = block_hash(parent, tokens)
             seq.block_hashes.append(parent)
             self.pool.register(self.pool.blocks[seq.block_table[i]], parent, tokens)
+            self._note_adapter(seq, parent)
+
+    def _note_adapter(self, seq: Sequence, block_hash: bytes) -> None:
+        if seq.lora is None:
+            return
+        if len(self._adapter_of_hash) > 2 * self.pool.num_blocks:
+            held = {block.block_hash for block in self.pool.blocks.made() if block.block_hash is not None}
+            self._adapter_of_hash = {h: name for h, name in self._adapter_of_hash.items() if h in held}
+        self._adapter_of_hash[block_hash] = seq.lora.name
+
+    def blocks_by_adapter(self) -> dict[str, int]:
+        """Per adapter, the pool's blocks (active or cached) that hold its hashed prefixes."""
+        counts: dict[str, int] = {}
+        if not self._adapter_of_hash:
+            return counts
+        for block in self.pool.blocks.made():
+            name = None if block.block_hash is None else self._adapter_of_hash.get(block.block_hash)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def release_last_block(self, seq: Sequence) -> None:
         """Give back the last block of seq's table, which holds no computed token (speculative decoding's

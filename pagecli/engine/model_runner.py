@@ -16,6 +16,8 @@ from pagecli.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.block_tables import KeptBlockTables
 from pagecli.engine.scheduler import ScheduledSeq
 from pagecli.models.loader import LoadedModel
+from pagecli.models.lora_batch import LoraBatch
+from pagecli.models.lora_slots import AdapterSlots
 
 
 @dataclass(frozen=True)
@@ -24,12 +26,14 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampled] rows of the hidden states whose logits are needed
+    lora: LoraBatch | None = None  # which rows run which LoRA adapter (None: all the base model)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 kv_format: KVFormat | None = None) -> None:
+                 kv_format: KVFormat | None = None, lora_slots: AdapterSlots | None = None) -> None:
         self.loaded = loaded
+        self.lora_slots = lora_slots  # the loaded LoRA adapters stacked (engine/adapters.py), when there are any
         self.backend = backend
         self.block_size = block_size
         self.block_tables = KeptBlockTables(loaded.device)
@@ -82,13 +86,16 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+            lora=LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
+                                      for item in scheduled), self.lora_slots, device),
         )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Forward one step; returns logits [num_sampled, vocab] in scheduled order."""
         inputs = self.prepare(scheduled)
-        hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
+                                   inputs.lora)
         # The indices increase, so as many as there are rows means every row (a decode step): no gather.
         if inputs.sample_indices.numel() != hidden.shape[0]:
             hidden = hidden[inputs.sample_indices]

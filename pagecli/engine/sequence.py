@@ -48,6 +48,8 @@ class Sequence:
     forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
     num_draft: int = 0  # draft tokens at the end of token_ids for this step only (engine/speculation.py)
     grammar: Any = None  # engine/structured.GrammarState when the request constrains its output
+    lora: Any = None  # models/lora.LoraAdapter this sequence runs (None: the base model)
+    hash_root: bytes | None = None  # the root of its prefix-cache chains when not the model's (an adapter's)
 
     @property
     def needs_fork(self) -> bool:
@@ -63,7 +65,7 @@ class Sequence:
             block_hashes=list(self.block_hashes), num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens, status=self.status, arrival=self.arrival,
             arrival_time_s=self.arrival_time_s, first_token_time_s=self.first_token_time_s,
-            rng=rng, candidate_index=candidate_index, forked=True,
+            rng=rng, candidate_index=candidate_index, forked=True, lora=self.lora, hash_root=self.hash_root,
         )
 
     def __post_init__(self) -> None:

@@ -61,6 +61,13 @@ class EngineStats:
     @property
     def spec_acceptance(self) -> float:
         return self.spec_accepted / self.spec_drafts if self.spec_drafts else 0.0
+    # LoRA adapters (--lora): bytes of those in memory, and the most they may hold (the --max-loras largest);
+    # per adapter, the requests added so far and the pool blocks that hold its prefixes (active or cached), as
+    # (name, count) pairs; the base model's are not listed.
+    adapter_bytes: int = 0
+    adapter_budget_bytes: int = 0
+    adapter_requests: tuple[tuple[str, int], ...] = ()
+    adapter_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_bytes_used(self) -> int:
@@ -93,6 +100,9 @@ class EngineStats:
         names = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in names}
         values["block_states"] = None if block_map is None else tuple(_STATE_OF_LETTER[c] for c in block_map)
+        for key in ("adapter_requests", "adapter_blocks"):  # JSON gives lists of [name, count]
+            if key in values:
+                values[key] = tuple((str(name), int(count)) for name, count in values[key])
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

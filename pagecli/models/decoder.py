@@ -23,6 +23,7 @@ from pagecli.models.layers import (
     Embedding, GatedMLP, Linear, LinearKernel, RMSNorm, RotaryEmbedding, concat_linears, linear,
 )
 from pagecli.models.moe import SparseMoE
+from pagecli.models.lora_batch import LayerLora, LoraBatch
 from pagecli.models.spec import DecoderSpec
 
 
@@ -66,9 +67,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # one matmul for the three projections
+        qkv = self.qkv_proj(x)  # one matmul for the three projections
+        if lora is not None:
+            qkv = lora.add("qkv_proj", x, qkv)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         if self.qk_norm and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)  # [num_tokens, heads * head_dim], [num_tokens, kv_heads * head_dim]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -83,7 +88,8 @@ class Attention(nn.Module):
         else:
             out = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale, softcap=self.softcap,
                                   window=self.window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out) if lora is None else lora.add("o_proj", out, self.o_proj(out))
 
 
 class DecoderLayer(nn.Module):
@@ -155,36 +161,40 @@ class CausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoraBatch | None = None,  # the step's adapter rows (None: every row runs the base model)
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden], the residual stream
         if self.spec.embed_scale is not None:
             # Gemma: sqrt(hidden_size), rounded to the model's dtype first as the reference does.
             h = h * torch.tensor(self.spec.embed_scale, dtype=torch.float32).to(h.dtype)
         if self.spec.sandwich_norms:
-            return self._forward_sandwich(h, positions, kv_caches, meta, backend)
-        # The C++ loop stands for the torch backend with the same kernels (decodes only).
-        if (self.decode_step is not None and meta.num_decode_seqs == meta.num_seqs
+            return self._forward_sandwich(h, positions, kv_caches, meta, backend, lora)
+        # The C++ loop stands for the torch backend with the same kernels (decodes of the base model only).
+        if (self.decode_step is not None and lora is None and meta.num_decode_seqs == meta.num_seqs
                 and getattr(backend, "cpu_ops", None) is not None and backend.native_decode(h, kv_caches)):
             return self.decode_step.forward(h, positions, kv_caches, meta.block_tables, meta.seq_lens,
                                             meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            layer_lora = None if lora is None else LayerLora(lora, index)
             x = layer.input_layernorm.add_and_norm(h, delta)
-            delta = layer.self_attn(x, positions, self.rotary, kv_cache, meta, backend)
+            delta = layer.self_attn(x, positions, self.rotary, kv_cache, meta, backend, layer_lora)
             x = layer.post_attention_layernorm.add_and_norm(h, delta)
-            delta = layer.mlp(x)
+            delta = layer.mlp(x, layer_lora)
         return self.model.norm.add_and_norm(h, delta)
 
     def _forward_sandwich(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                          meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                          meta: AttentionMetadata, backend: AttentionBackend, lora: LoraBatch | None) -> torch.Tensor:
         """Gemma's layers: each block's output is normed before it joins the residual stream."""
         delta = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            layer_lora = None if lora is None else LayerLora(lora, index)
             rotary = self.local_rotary if (self.local_rotary is not None and layer.self_attn.window) else self.rotary
             x = layer.input_layernorm.add_and_norm(h, delta)
-            delta = layer.post_attention_layernorm(layer.self_attn(x, positions, rotary, kv_cache, meta, backend))
+            delta = layer.post_attention_layernorm(layer.self_attn(x, positions, rotary, kv_cache, meta, backend,
+                                                                   layer_lora))
             x = layer.pre_feedforward_layernorm.add_and_norm(h, delta)
-            delta = layer.post_feedforward_layernorm(layer.mlp(x))
+            delta = layer.post_feedforward_layernorm(layer.mlp(x, layer_lora))
         return self.model.norm.add_and_norm(h, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from pagecli.models.spec import rope_parameters, rope_type_of
+
+if TYPE_CHECKING:
+    from pagecli.models.lora_batch import LayerLora
 
 
 class RMSNorm(nn.Module):
@@ -245,9 +248,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        """lora: the step's adapter rows for this layer (models/lora_batch.LayerLora), None for the base only."""
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add("gate_up_proj", x, gate_up)
         if self.kernel is not None and gate_up.dim() == 2:
-            return self.down_proj(self.kernel(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(_ACTIVATIONS[self.activation](gate) * up)
+            hidden = self.kernel(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = _ACTIVATIONS[self.activation](gate) * up
+        return self.down_proj(hidden) if lora is None else lora.add("down_proj", hidden, self.down_proj(hidden))

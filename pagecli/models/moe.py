@@ -52,7 +52,9 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:  # x: [num_tokens, hidden]
+        """lora: the layer's adapter rows, as a dense MLP takes them; adapters of a mixture of experts
+        target the attention only (models/lora.py refuses expert targets), so nothing is added here."""
         weights, chosen = self.route(x)
         if x.shape[0] == 1:
             return self._one_token(x, weights, chosen)

@@ -45,6 +45,7 @@ class ServeState:
     recent: RecentTurns = field(default_factory=RecentTurns)  # the last finished requests, for /v1/pool
     stored: ResponseStore = field(default_factory=ResponseStore)  # Responses API: previous_response_id
     facts: ModelFacts | None = None  # what Ollama's /api/tags, /api/show and /api/ps say of the model
+    adapter_names: tuple[str, ...] = ()  # LoRA adapters (--lora): /v1/models lists them, `model` may name them
 
 
 def create_app(state: ServeState) -> Starlette:
@@ -102,7 +103,9 @@ class _Api:
             self.path.authorize(request)
         except ApiError as error:
             return self.path.refused(request.url.path, error, method="GET")
-        return JSONResponse({"object": "list", "data": [model_card(self.s.model_ids[0], self.s.created)]})
+        base = self.s.model_ids[0]
+        adapters = [{**model_card(name, self.s.created), "parent": base} for name in self.s.adapter_names]
+        return JSONResponse({"object": "list", "data": [model_card(base, self.s.created), *adapters]})
 
     async def pool(self, request: Request) -> Response:
         """The block pool, the running requests and the last turns, as JSON (docs/serve-api.md)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
@@ -128,7 +128,7 @@ class RequestPath:
             self.authorize(request)
             api_request = api.parse(parse_json(await read_body(request)))
             self.check_model(api_request.model)
-            job = await self.start(api_request)
+            job = await self.start(self.with_adapter(api_request))
             if api_request.stream:
                 return sse.JobStream(self._stream(path, job, api), self.s.engine_thread, job, api.media_type)
             return await self._complete(request, path, job, api)
@@ -156,9 +156,16 @@ class RequestPath:
             raise ApiError(401, "Incorrect API key.", "invalid_api_key")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.s.model_ids:
+        if model is not None and model not in self.s.model_ids and model not in self.s.adapter_names:
             raise ApiError(404, f"The model '{model}' is not served here; this server serves "
                                 f"'{self.s.model_ids[0]}' (GET /v1/models).", "model_not_found", param="model")
+
+    def with_adapter(self, api_request: ApiRequest) -> ApiRequest:
+        """A request whose `model` names a LoRA adapter runs it (as vLLM serves adapters as models), unless
+        its own `lora` field names one."""
+        if api_request.model in self.s.adapter_names and api_request.sampling.lora is None:
+            return replace(api_request, sampling=replace(api_request.sampling, lora=api_request.model))
+        return api_request
 
     async def start(self, api_request: ApiRequest) -> Job:
         """The request's job, admitted by the engine thread (its prompt tokenized and within limits)."""

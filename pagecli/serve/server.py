@@ -123,7 +123,13 @@ def build_state(engine: Any, settings: Any, options: ServeOptions, request_log: 
     return ServeState(thread, model_ids(engine), options.api_key, settings.sampling, metrics,
                       request_log, int(time.time()), reasoning=options.reasoning_format == "separate",
                       opens_thinking=_opens_thinking(engine, template), tool_format=tool_format_of(template),
-                      recent=recent, facts=ModelFacts.of(engine))
+                      recent=recent, facts=ModelFacts.of(engine), adapter_names=adapter_names(engine))
+
+
+def adapter_names(engine: Any) -> tuple[str, ...]:
+    """The LoRA adapters the engine may run (--lora), which /v1/models lists as models."""
+    adapters = getattr(engine, "adapters", None)
+    return () if adapters is None else tuple(adapters.names)
 
 
 def _opens_thinking(engine: Any, template: str | None) -> bool:

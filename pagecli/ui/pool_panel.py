@@ -16,6 +16,7 @@ from rich.text import Text
 
 from pagecli.chat.turn import TurnStats
 from pagecli.engine.stats import EngineStats
+from pagecli.ui.progress import adapter_text
 
 # Drawing order is also the significance order: a grouped cell shows the first of these it holds.
 STATE_STYLES: dict[str, tuple[str, str]] = {
@@ -114,6 +115,8 @@ def pool_panel(stats: EngineStats, turn: TurnStats | None = None, cells_per_row:
     if stats.block_states is not None:
         parts.append(pool_map(stats.block_states, cells_per_row, max_rows))
     parts += [occupancy_line(stats), memory_line(stats)]
+    if stats.adapter_requests:
+        parts.append(Text(f"LoRA: {adapter_text(stats)}", style="cyan"))
     if turn is not None:
         parts.append(turn_line(turn))
     return Panel(Group(*parts), title="KV block pool", title_align="left", border_style="grey50", expand=False)

@@ -21,7 +21,20 @@ def load_summary(stats: EngineStats) -> str:
     return (f"Model on {stats.device} ({weights}, {stats.attention_backend} attention): weights "
             f"{stats.weights_bytes / mib:,.0f} MiB; KV pool {stats.num_blocks:,} blocks x {stats.block_size} tokens = "
             f"{stats.num_blocks * stats.block_size:,} tokens ({stats.kv_bytes_total / mib:,.0f} MiB); "
-            f"max {stats.max_model_len:,} tokens per sequence.")
+            f"max {stats.max_model_len:,} tokens per sequence{_adapters(stats)}.")
+
+
+def _adapters(stats: EngineStats) -> str:
+    """The LoRA adapters' share of memory, when the engine has any."""
+    if not stats.adapter_budget_bytes:
+        return ""
+    return f"; LoRA adapters up to {stats.adapter_budget_bytes / (1 << 20):,.1f} MiB (loaded on first use)"
+
+
+def adapter_text(stats: EngineStats) -> str:
+    """Per LoRA adapter: requests so far and the pool blocks holding its prefixes; empty without adapters."""
+    blocks = dict(stats.adapter_blocks)
+    return ", ".join(f"{name} {count} requests / {blocks.get(name, 0)} blocks" for name, count in stats.adapter_requests)
 
 
 class GenerateProgress:

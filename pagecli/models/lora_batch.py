@@ -1,0 +1,130 @@
+"""One step's LoRA work: which token rows run which adapter, and the low-rank add after each base product.
+
+The base products run once for every row of the step; then each span of rows that share an adapter (and a
+scale) adds its adapter's scale * (x @ A.T) @ B.T to those rows. The engine orders a step's sequences so one
+adapter's rows lie together (decodes first, then prefill chunks). Short spans (decode rows: a few per
+adapter) run together: their rows gathered into [spans, longest span, in] and multiplied by the loaded
+adapters' stacked pairs (models/lora_slots.py) in two batched products, the result added back by row index,
+so a step of many adapters costs a few operations per product, not a few per adapter. Long spans (a prompt's
+chunk) run on their adapter's own pair, on contiguous slices, with no padding. The step's LoraBatch is passed
+down the forward explicitly; no module holds per-step state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagecli.models.lora import LoraAdapter
+from pagecli.models.lora_slots import AdapterSlots
+
+SHORT_SPAN_ROWS = 32  # spans of at most this many rows run batched (padded to the longest); longer ones alone
+
+
+@dataclass(frozen=True)
+class LoraSpan:
+    adapter: LoraAdapter
+    start: int  # first token row
+    end: int  # one past the last
+    scale: float  # the requests' lora_scale
+
+
+@dataclass(frozen=True)
+class ShortSpans:
+    """The short spans of a step as one padded batch over the adapters' slots."""
+
+    slots: AdapterSlots
+    slot_ids: torch.Tensor | None  # [spans]: each span's slot; None when the spans are slots 0.. in order
+    rows: torch.Tensor  # [spans * longest] the token row of each padded place (padding repeats a real row)
+    scales: torch.Tensor  # [spans, longest, 1] each place's scale, 0 on padding
+    num_spans: int
+    longest: int
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    spans: tuple[LoraSpan, ...]  # the long spans, each on its own adapter's pair
+    short: ShortSpans | None = None
+
+    @staticmethod
+    def from_rows(rows: Iterable[tuple[LoraAdapter | None, float, int]], slots: AdapterSlots | None = None,
+                  device: torch.device | None = None) -> LoraBatch | None:
+        """From each scheduled chunk's (adapter or None, scale, tokens) in row order: one span per run of chunks
+        with one adapter and scale. None when no row runs an adapter (the base model's own fast paths run).
+        slots: the loaded adapters' stacks (None: every span runs alone)."""
+        spans: list[LoraSpan] = []
+        start = 0
+        for adapter, scale, num_tokens in rows:
+            end = start + num_tokens
+            if adapter is not None and scale != 0:
+                last = spans[-1] if spans else None
+                if last is not None and last.adapter is adapter and last.scale == scale and last.end == start:
+                    spans[-1] = LoraSpan(adapter, last.start, end, scale)
+                else:
+                    spans.append(LoraSpan(adapter, start, end, scale))
+            start = end
+        if not spans:
+            return None
+        if slots is None:
+            return LoraBatch(tuple(spans))
+        is_short = [span.end - span.start <= SHORT_SPAN_ROWS and id(span.adapter) in slots.slot_of for span in spans]
+        if sum(is_short) < 2:  # one span alone is as fast on its own pair
+            return LoraBatch(tuple(spans))
+        long = tuple(span for span, short in zip(spans, is_short) if not short)
+        return LoraBatch(long, _short_spans([span for span, short in zip(spans, is_short) if short], slots, device))
+
+    def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[rows] += scale * (x[rows] @ A.T) @ B.T for each span whose adapter targets this product.
+        x: [num_tokens, in_features], out: [num_tokens, out_features], changed in place and returned."""
+        for span in self.spans:
+            pair = span.adapter.layers[layer].get(product)
+            if pair is None:
+                continue
+            rows = x[span.start:span.end]
+            down = rows @ pair.a.T  # [span rows, rank]
+            out[span.start:span.end].addmm_(down, pair.b.T, alpha=span.scale)
+        if self.short is not None:
+            self._add_short(layer, product, x, out)
+        return out
+
+    def _add_short(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        short = self.short
+        stack = short.slots.stacks[layer].get(product)
+        if stack is None:
+            return
+        a, b = stack  # [slots, in, rank], [slots, rank, out]
+        if short.slot_ids is not None:
+            a, b = a.index_select(0, short.slot_ids), b.index_select(0, short.slot_ids)
+        gathered = x.index_select(0, short.rows).view(short.num_spans, short.longest, x.shape[1])
+        down = torch.bmm(gathered, a) * short.scales  # [spans, longest, rank]
+        delta = torch.bmm(down, b)  # [spans, longest, out]
+        out.index_add_(0, short.rows, delta.view(-1, out.shape[1]))
+
+
+def _short_spans(short: list[LoraSpan], slots: AdapterSlots, device: torch.device | None) -> ShortSpans:
+    longest = max(span.end - span.start for span in short)
+    rows: list[int] = []
+    scales: list[float] = []
+    for span in short:
+        n = span.end - span.start
+        rows += list(range(span.start, span.end)) + [span.start] * (longest - n)
+        scales += [span.scale] * n + [0.0] * (longest - n)
+    slot_ids = [slots.slot_of[id(span.adapter)] for span in short]
+    in_order = slot_ids == list(range(len(slots.slot_of)))
+    return ShortSpans(
+        slots, None if in_order else torch.tensor(slot_ids, dtype=torch.long, device=device),
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(scales, dtype=slots.dtype, device=device).view(len(short), longest, 1), len(short), longest)
+
+
+@dataclass(frozen=True)
+class LayerLora:
+    """A LoraBatch seen from one decoder layer (what Attention and GatedMLP take)."""
+
+    batch: LoraBatch
+    layer: int
+
+    def add(self, product: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.batch.add(self.layer, product, x, out)
