@@ -18,7 +18,7 @@ from pagecli.engine import Engine
 from pagecli.errors import ModelError, PagecliError, RequestError
 from pagecli.models.loader import load_model
 from pagecli.native import isa
-from tiny_models import ARCHS, NEW_ARCHS
+from tiny_models import ARCHS, MOE_ARCHS, NEW_ARCHS
 
 TOKENS = 12
 PROMPTS = ["Hello world! How are you", "Très bien, merci. 日本語", "def main():\n    print("]
@@ -71,7 +71,8 @@ def test_greedy_with_an_adapter_equals_peft(name, llama_adapters):
 @pytest.mark.parametrize("arch", [*ARCHS, *NEW_ARCHS])
 def test_every_architecture_with_an_adapter_equals_peft(arch, tiny_model_factory, tmp_path):
     base = tiny_model_factory(arch)
-    adapter = make_adapter(base, tmp_path / "adapter", rank=8, seed=5, b_scale=1.0)
+    targets = ATTENTION if arch in MOE_ARCHS else None  # a mixture of experts takes adapters of its attention
+    adapter = make_adapter(base, tmp_path / "adapter", rank=8, seed=5, b_scale=1.0, targets=targets)
     engine = engine_for(base, {"a": adapter})
     logits = recorded_logits(engine)
     ids = engine.encode(PROMPTS[0])
@@ -263,3 +264,12 @@ def test_lora_settings_are_checked():
         EngineConfig(max_loras=0)
     with pytest.raises(PagecliError, match="lora_scale must be between"):
         SamplingParams(lora="a", lora_scale=-1)
+
+
+def test_an_adapter_of_a_mixture_of_experts_mlp_is_refused_in_one_sentence(tiny_model_factory, tmp_path):
+    from pagecli.errors import ModelError
+
+    base = tiny_model_factory("qwen3_moe")
+    adapter = make_adapter(base, tmp_path / "experts", rank=4, seed=1)  # attention and MLP: PEFT wraps the experts
+    with pytest.raises(ModelError, match="LoRA adapter 'a'"):
+        engine_for(base, {"a": adapter})
