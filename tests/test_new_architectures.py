@@ -16,11 +16,10 @@ import os
 import pytest
 import torch
 
+from architecture_helpers import LEVELS, at_level, engine_for, transformers_model  # noqa: F401 - at_level: a fixture
 from engine_probes import recorded_logits
 from native_levels import COMPILED_LEVELS
-from pagecli import native
-from pagecli.config import EngineConfig, SamplingParams
-from pagecli.engine import Engine
+from pagecli.config import SamplingParams
 from pagecli.errors import ModelError
 from pagecli.models.loader import load_model
 
@@ -29,31 +28,9 @@ DECODE_STEPS = 12
 # Longer than the windows (6), so a sliding layer attends to less than the whole context.
 PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention keeps"
 GREEDY = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
-LEVELS = ["torch", *COMPILED_LEVELS]
 ARCHS = ("gemma2", "gemma3", "phi3", "phi4")
 # Which run the one-call native decode step: the Llama-shaped ones (phi3: full rotary, SwiGLU, plain attention).
 DECODE_STEP = {"gemma2": False, "gemma3": False, "phi3": True, "phi4": False}
-
-
-@pytest.fixture
-def at_level(monkeypatch):
-    def use(level: str) -> None:
-        monkeypatch.setenv("PAGECLI_CPU_ISA", level)
-        monkeypatch.setattr(native, "_state", {})  # the kernels of this level, built or loaded afresh
-
-    return use
-
-
-def engine_for(folder, **config) -> Engine:
-    settings = {"attention": "torch", "num_blocks": 128, "block_size": 4, "disk_cache": False, **config}
-    cfg = EngineConfig(dtype="float32", device="cpu", **settings)
-    return Engine(config=cfg, loaded=load_model(folder, "float32", "cpu", max_positions=512))
-
-
-def transformers_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("level", LEVELS)
