@@ -96,8 +96,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("speculate", "speculate", Optional[str], _opt(
         "--speculate", help="off|ngram: speculative decoding for greedy requests. ngram (prompt lookup) proposes "
                             "the tokens that followed the latest earlier occurrence of the output's last few "
-                            "tokens and checks them in one pass: the same output token for token, several "
-                            "tokens a step where the output repeats its input (editing, quoting). Default: off.",
+                            "tokens and checks them in one pass: the tokens greedy decoding gives (up to the "
+                            "order of additions), several a step where the output repeats its input (editing, "
+                            "quoting). Not faster yet on a CPU (README). Default: off.",
         metavar="KIND")),
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
