@@ -168,7 +168,7 @@ def test_a_forked_prompt_goes_to_the_disk_store_once_and_is_found_there_later(ti
     engine = make_engine(tiny_llama, block_size=BLOCK_SIZE, **store)
     queued = []
     persist = engine.persist_prefix
-    engine.persist_prefix = lambda token_ids: queued.append(persist(token_ids)) or queued[-1]
+    engine.persist_prefix = lambda token_ids, lora=None: queued.append(persist(token_ids, lora)) or queued[-1]
     engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=N))
     engine.close()
     assert queued == [len(PROMPT) // BLOCK_SIZE]  # candidate 0 stores the prompt's full blocks; no one else asks
