@@ -146,12 +146,12 @@ class RowWeights:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device).unsqueeze(1)
         self.top_p = top_p
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        has_k = torch.tensor(top_k, device=device).unsqueeze(1) > 0  # [rows, 1]
         candidate = torch.ones_like(e, dtype=torch.bool)
         if any(top_k):
             # Top-k: the tokens at or above the k-th largest logit; the k-th largest of their weights is a
             # floor, and top-p is taken among the tokens at or above it.
             k_index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device).unsqueeze(1)
-            has_k = torch.tensor(top_k, device=device).unsqueeze(1) > 0  # [rows, 1]
             kth_logit = torch.topk(x, max(top_k), dim=-1).values.gather(1, k_index)
             candidate = torch.where(has_k, x >= kth_logit, candidate)
             kth = torch.topk(torch.where(candidate, e, -1.0), max(top_k), dim=-1).values.gather(1, k_index)
@@ -159,13 +159,11 @@ class RowWeights:
             tau = torch.maximum(tau, kth)
             picked = torch.where(candidate & (e >= kth), e, 0.0)
             held = picked.double().sum(dim=-1, keepdim=True)
-            with_p = has_k & (top_p < 1.0)
-            if bool(with_p.any()):
-                tau = torch.where(with_p, torch.maximum(tau, top_p_threshold(picked, top_p * held)), tau)
-            has_k_rows = has_k
-        else:
-            has_k_rows = torch.zeros_like(top, dtype=torch.bool)
-        self.rejection = (~has_k_rows) & (top_p < 1.0) & ~infinite  # [rows, 1]
+            if any(k and p.top_p < 1.0 for k, p in zip(top_k, params)):  # decided on the host: no wait
+                tau = torch.where(has_k & (top_p < 1.0), torch.maximum(tau, top_p_threshold(picked, top_p * held)), tau)
+        # Rows of top-p alone; `any_rejection` says on the host whether there may be one (+inf rows are not).
+        self.any_rejection = any(not k and p.top_p < 1.0 for k, p in zip(top_k, params))
+        self.rejection = (~has_k) & (top_p < 1.0) & ~infinite  # [rows, 1]
         tau = torch.where(infinite, 1.0, tau)
         self.floor = tau  # [rows, 1] float32: min-p's floor for rejection rows, the final threshold else
         self.kept = torch.where(candidate & (e >= tau), e, 0.0)  # [rows, vocab]
@@ -194,9 +192,8 @@ def sample_rows_tensor(logits: torch.Tensor, params: SequenceOf[SamplingParams],
     filtered = RowWeights(logits, params)
     u = round_uniforms(words, MAX_ROUNDS + 1, logits.device)  # [rows, rounds]
     tokens = draw(filtered.kept, u[:, 0])  # the rows decided outright; the rejection rows' first try
-    rejection = filtered.rejection.squeeze(1)
-    if bool(rejection.any()):
-        tokens = torch.where(rejection, _rejection_draws(filtered, u), tokens)
+    if filtered.any_rejection:
+        tokens = torch.where(filtered.rejection.squeeze(1), _rejection_draws(filtered, u), tokens)
     return tokens
 
 
