@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's checkpoint names
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The LoRA tests pin torch to one thread (a shared machine's second core is not theirs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_adapter(base: Path, out: Path, rank: int = 8, targets: list[str] | None = None, seed: int = 0,

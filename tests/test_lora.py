@@ -8,30 +8,20 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine_probes import recorded_logits
-from lora_helpers import ATTENTION, MLP, make_adapter, peft_greedy
+from lora_helpers import ATTENTION, MLP, make_adapter, one_thread, peft_greedy  # noqa: F401 - a fixture
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError, PagecliError, RequestError
 from pagecli.models.loader import load_model
-from pagecli.native import isa
+from native_levels import COMPILED_LEVELS
 from tiny_models import ARCHS, MOE_ARCHS, NEW_ARCHS
 
 TOKENS = 12
 PROMPTS = ["Hello world! How are you", "Très bien, merci. 日本語", "def main():\n    print("]
 LONG_PROMPT = "Paged attention keeps the KV cache in fixed-size blocks. " * 3 + "The quick brown fox"
-COMPILED_LEVELS = [level for level in isa.machine_levels(native.cpu_flags()) if level != "torch"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def greedy(lora: str | None = None, max_tokens: int = TOKENS, scale: float = 1.0) -> SamplingParams:

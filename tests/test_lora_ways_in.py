@@ -7,24 +7,15 @@ import json
 
 import openai
 import pytest
-import torch
 
 from chat_helpers import cli_args, run_cli
-from lora_helpers import make_adapter
+from lora_helpers import make_adapter, one_thread  # noqa: F401 - one_thread: an autouse fixture
 from pagecli.cli import main
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from serve_helpers import running_server
 
 MESSAGES = [{"role": "user", "content": "Hello there!"}]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

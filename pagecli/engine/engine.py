@@ -603,7 +603,8 @@ class Engine:
                              for s in self.scheduler.running),
             block_states=tuple(self.pool.block_states()) if include_block_states else None,
             kv_dtype=self.kv_format.name, quantize=self.quantize, weight_forms=self.plan.summary(),
-            adapter_bytes=self.adapters.loaded_bytes, adapter_budget_bytes=self.adapters.budget_bytes, adapter_requests=tuple(sorted(self._requests_by_adapter.items())),
+            adapter_bytes=self.adapters.loaded_bytes, adapter_budget_bytes=self.adapters.budget_bytes,
+            adapter_requests=tuple(sorted(self._requests_by_adapter.items())),
             adapter_blocks=tuple(sorted(self.kv.blocks_by_adapter().items())),
             **(self.speculator.counts() if self.speculator else {}),
         )
