@@ -491,9 +491,9 @@ def test_every_level_forced_gives_the_pytorch_paths_greedy_tokens(tiny_llama, mo
 def test_bf16_greedy_output_on_the_native_attention_does_not_depend_on_chunks_prefix_hits_or_batching(
         tiny_model_factory, kv_dtype):
     # test_engine_invariance.py's checks, in bf16 with head size 32, where prompts and decodes both
-    # run on pagecli's attention kernels: AMX tiles, or (without AMX, and over int8/fp8 caches on any
-    # CPU with AVX512-BF16) the AVX512-BF16 decode kernel with a row per prompt token; the linear
-    # layers on AMX, the packed GEMM or oneDNN by row count.
+    # run on pagecli's attention kernels: AMX tiles, or (without AMX) the decode kernel with a row per
+    # prompt token (AVX512-BF16's, or AVX2's widening bf16 to float32); the linear layers on AMX, the
+    # packed GEMM or oneDNN by row count.
     from test_engine_invariance import GREEDY, PROMPTS
 
     folder = tiny_model_factory("qwen3")
@@ -505,8 +505,8 @@ def test_bf16_greedy_output_on_the_native_attention_does_not_depend_on_chunks_pr
             query, cache = torch.empty(1, 1, 32).bfloat16(), engine.runner.kv_caches[0, 0]
             ops = engine.backend.cpu_ops
             if ops is None or not (ops.paged_prefill_supported(query, cache)
-                                   or ops.paged_decode_bf16_supported(query, cache)):
-                pytest.skip("prompts run on PyTorch's attention here (no AMX tiles, no AVX512-BF16)")
+                                   or engine.backend._prompts_as_decode_rows(query, cache)):
+                pytest.skip("prompts run on PyTorch's attention here (no compiled kernels for this cache)")
             outs = [o.token_ids for o in engine.generate(prompts, GREEDY)]
             if config.get("enable_prefix_caching"):
                 assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == outs  # now from the cache

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from architecture_helpers import at_level  # noqa: F401  (a fixture)
+from native_levels import COMPILED_LEVELS
+from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.ngram_proposer import propose
@@ -89,3 +92,29 @@ def test_speculation_takes_fewer_steps_where_the_output_repeats(tiny_model_facto
     outputs(fast, [PROMPTS[0]])
     assert fast.speculator.accepted > 0
     assert fast.stats().num_steps < plain.stats().num_steps
+
+
+@pytest.mark.parametrize("level", COMPILED_LEVELS)
+def test_checking_steps_run_in_the_one_call_decode_step_with_plain_decodings_output(level, at_level,  # noqa: F811
+                                                                                     tiny_model_factory):
+    """On the compiled levels a checking step (each sequence's last token and its drafts) runs in the
+    one-call decode step, every token a decode row over its causal context: plain decoding's bits."""
+    if not native.enabled():
+        pytest.skip("PAGECLI_NATIVE=0 turns the compiled kernels off")
+    at_level(level)
+    folder = tiny_model_factory("llama")
+    plain = outputs(make_engine(folder, attention="auto"))
+    engine = make_engine(folder, attention="auto", speculate="ngram")
+    step = engine.loaded.model.decode_step
+    assert step is not None, "a tiny llama in float32 has a one-call decode step on a compiled level"
+    rows_per_call: list[int] = []
+
+    class Spy:  # DecodeStep is a compiled class: wrap the instance
+        def forward(self, h, *args):
+            rows_per_call.append(h.shape[0])
+            return step.forward(h, *args)
+
+    engine.loaded.model.decode_step = Spy()
+    assert outputs(engine) == plain
+    assert engine.speculator.passes > 0
+    assert max(rows_per_call) > len(PROMPTS), "no checking step (more rows than sequences) ran in the one call"

@@ -169,11 +169,13 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.spec.embed_scale, dtype=torch.float32).to(h.dtype)
         if self.spec.sandwich_norms:
             return self._forward_sandwich(h, positions, kv_caches, meta, backend, lora)
-        # The C++ loop stands for the torch backend with the same kernels (decodes of the base model only).
-        if (self.decode_step is not None and lora is None and meta.num_decode_seqs == meta.num_seqs
-                and getattr(backend, "cpu_ops", None) is not None and backend.native_decode(h, kv_caches)):
-            return self.decode_step.forward(h, positions, kv_caches, meta.block_tables, meta.seq_lens,
-                                            meta.slot_mapping)
+        # The C++ loop stands for the torch backend with the same kernels (base-model steps of decodes or short
+        # chunks: CpuAttentionBackend.one_call_rows).
+        rows = (backend.one_call_rows(h, kv_caches, meta)
+                if self.decode_step is not None and lora is None and getattr(backend, "cpu_ops", None) is not None
+                else None)
+        if rows is not None:
+            return self.decode_step.forward(h, positions, kv_caches, rows[0], rows[1], meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             layer_lora = None if lora is None else LayerLora(lora, index)
