@@ -1,8 +1,13 @@
-"""Speculative decoding by prompt lookup on an editing workload (issue 50): single-stream greedy decode
-with and without `--speculate ngram`, alternating, and whether the outputs are the same.
+"""Speculative decoding by prompt lookup (issue 50): decode with and without `--speculate ngram`,
+alternating, and whether the outputs are the same.
 
     .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
+        [--workload edit|open] [--batch N] [--sampled] [--threads 2]
     .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
+
+--workload open: 20 open-ended story requests instead (the issue's bound: speculation on costs at most 5%
+there); --batch N sends N requests together; --sampled runs the shipped sampling (0.7 / 0.95) with a seed,
+where speculation must give the same tokens too.
 
 The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
 excerpt of this repository's own code or docs (as they were when the set was made) with an instruction
@@ -53,13 +58,28 @@ def make_set(tokenizer) -> None:
     print(f"wrote {len(lines)} requests to {SET}")
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[int, ...]]]:
-    sampling = SamplingParams(temperature=0, max_tokens=max_tokens)
+OPEN_TOPICS = ["a lighthouse keeper", "the first winter on Mars", "a bakery that opens at midnight", "two rival chess clubs",
+               "a lost umbrella", "the oldest tree in a city", "a train that never stops", "a letter found in a wall",
+               "a robot learning to paint", "a village without clocks", "the last bookshop", "a storm at sea",
+               "a cat who runs a hotel", "a map of an unknown island", "a violin maker", "a garden on a rooftop",
+               "a detective who hates coffee", "a bridge built overnight", "a festival of lanterns", "a quiet astronaut"]
+
+
+def open_prompts(tokenizer) -> list[list[int]]:
+    """20 open-ended chat requests (a story each): little of the output repeats the prompt."""
+    return [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Write a short story about {topic}."}], add_generation_prompt=True),
+        add_special_tokens=False) for topic in OPEN_TOPICS]
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int = 1,
+        sampling: SamplingParams | None = None) -> tuple[float, list[tuple[int, ...]]]:
+    sampling = sampling or SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs, tokens, start = [], 0, time.perf_counter()
-    for prompt in prompts:
-        done = engine.generate([prompt], sampling)[0]
-        outputs.append(done.token_ids)
-        tokens += done.completion_tokens
+    for first in range(0, len(prompts), batch):
+        for done in engine.generate(prompts[first : first + batch], sampling):
+            outputs.append(done.token_ids)
+            tokens += done.completion_tokens
     return tokens / (time.perf_counter() - start), outputs
 
 
@@ -70,6 +90,11 @@ def main() -> None:
     ap.add_argument("--k", default="4,8", help="comma-separated num_speculative_tokens to try")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--make-set", action="store_true")
+    ap.add_argument("--workload", choices=("edit", "open"), default="edit",
+                    help="edit: the editing set; open: 20 open-ended story requests")
+    ap.add_argument("--batch", type=int, default=1, help="requests sent together (default 1: one at a time)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="the shipped sampling (temperature 0.7, top_p 0.95, seeded) instead of greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configs = {"off": EngineConfig(disk_cache=False, threads=args.threads)}
@@ -81,19 +106,25 @@ def main() -> None:
     if args.make_set:
         make_set(tokenizer)
         return
-    requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
-                                add_special_tokens=False) for r in requests]
-    print(f"CPU: {cpu_model()}; {args.threads} threads; {len(prompts)} editing requests "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), one at a time, greedy, "
-          f"max_tokens {args.max_tokens}; output tok/s over the set")
+    if args.workload == "edit":
+        requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
+                                    add_special_tokens=False) for r in requests]
+    else:
+        prompts = open_prompts(tokenizer)
+    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=1, max_tokens=args.max_tokens) if args.sampled \
+        else SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    print(f"CPU: {cpu_model()}; {args.threads} threads; {len(prompts)} {args.workload} requests "
+          f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), {args.batch} at a time, "
+          f"{'sampled 0.7/0.95, seeded' if args.sampled else 'greedy'}, max_tokens {args.max_tokens}; "
+          f"output tok/s over the set")
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     reference: list[tuple[int, ...]] | None = None
     differing: dict[str, int] = {name: 0 for name in engines}
     for rep in range(args.reps):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))
         for name in order:
-            speed, outputs = run(engines[name], prompts, args.max_tokens)
+            speed, outputs = run(engines[name], prompts, args.max_tokens, args.batch, sampling)
             speeds[name].append(speed)
             if name == "off":
                 reference = outputs if reference is None else reference

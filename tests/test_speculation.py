@@ -118,3 +118,39 @@ def test_checking_steps_run_in_the_one_call_decode_step_with_plain_decodings_out
     assert outputs(engine) == plain
     assert engine.speculator.passes > 0
     assert max(rows_per_call) > len(PROMPTS), "no checking step (more rows than sequences) ran in the one call"
+
+
+@pytest.mark.parametrize("attention", ["torch", "auto"])
+def test_seeded_sampled_requests_take_drafts_and_draw_plain_samplings_tokens(tiny_model_factory, attention):
+    """A sampled sequence's choice at each checked position is drawn with the random word plain decoding
+    uses there (the words past the first disagreement go back), so a seeded request gives the same tokens
+    with and without drafts: speculative sampling's rule for a draft that is one token for sure."""
+    folder = tiny_model_factory("llama")
+    sampled = SamplingParams(temperature=0.02, top_p=0.95, top_k=50, seed=11, max_tokens=60, ignore_eos=True)
+    plain = outputs(make_engine(folder, attention=attention), sampling=sampled)
+    engine = make_engine(folder, attention=attention, speculate="ngram")
+    assert outputs(engine, sampling=sampled) == plain
+    assert engine.speculator.accepted > 0, "no sampled draft was accepted: the test checks nothing"
+    assert engine.speculator.accepted < engine.speculator.proposed, "no draft was rejected: nothing handed back"
+
+
+def test_a_sequence_whose_drafts_keep_failing_proposes_less_and_less(tiny_model_factory, monkeypatch):
+    """Proposals that are always wrong (a token the model never picks) back off: after a failed pass
+    a sequence proposes nothing for 2, 4, 8 ... tokens, and each proposal holds one draft; the output
+    is plain decoding's."""
+    from pagecli.engine import speculation
+
+    folder = tiny_model_factory("llama")
+    plain = outputs(make_engine(folder), [PROMPTS[1]])
+    sampling = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    plain = outputs(make_engine(folder), [PROMPTS[1]], sampling)
+    never = next(t for t in range(5, 1000) if all(t not in ids for ids, _, _ in plain))  # never chosen
+    monkeypatch.setattr(speculation, "propose", lambda tokens, room, max_ngram: [never] * room)
+    engine = make_engine(folder, speculate="ngram")
+    assert outputs(engine, [PROMPTS[1]], sampling) == plain
+    spec = engine.speculator
+    assert spec.accepted == 0
+    # passes at tokens 1, 4, 9, 18, 35, 68 (pauses 2, 4, 8, 16, 32, then 64): 6 passes in 120 tokens;
+    # the first holds K = 4 drafts, each later one 1.
+    assert spec.passes <= 6
+    assert spec.proposed == 4 + (spec.passes - 1)

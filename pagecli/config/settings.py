@@ -88,7 +88,7 @@ class EngineConfig:
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
     quantize: str = "auto"  # decoder-layer weights at load: auto | none | int8 | int4 | gguf (CPU only)
     kv_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype) | bfloat16 | float16 | float32 | int8 | fp8
-    # Speculative decoding (engine/speculation.py): off | ngram (prompt lookup); greedy requests only.
+    # Speculative decoding (engine/speculation.py): off | ngram (prompt lookup); greedy and sampled requests.
     speculate: str = "off"
     num_speculative_tokens: int = 4  # drafts checked per step and sequence
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1

@@ -1,17 +1,28 @@
 """Speculative decoding inside the step: drafts proposed before scheduling, checked after the forward.
 
-Before a step is scheduled, each eligible decoding sequence (greedy and plain: no grammar, penalty,
-logit bias, forks or beams) gets up to K draft tokens from prompt lookup (engine/ngram_proposer.py),
+Before a step is scheduled, each eligible decoding sequence (no grammar, penalty, logit bias, forks or
+beams; greedy or sampled) gets up to K draft tokens from prompt lookup (engine/ngram_proposer.py),
 appended to its tokens for the step alone: the scheduler then gives it a chunk of 1 + K tokens, as it
 gives a prefill chunk, and the runner returns logits for every position of that chunk. After the
-forward, the model's own greedy choice at each position is compared with the next draft: the drafts
-up to the first disagreement are accepted, and the model's choice there (or after the last draft) is
-one more token, so a step yields 1 to K + 1 tokens, each exactly the token plain greedy decoding gives
-(each position's logits see the same tokens before it). The drafts are taken back out of the tokens
+forward, the model's own choice at each position is compared with the next draft: the drafts up to the
+first disagreement are accepted, and the model's choice there (or after the last draft) is one more
+token, so a step yields 1 to K + 1 tokens, each exactly the token plain decoding gives: each position's
+logits see the same tokens before it (on the CPU the one-call decode step gives them plain decoding's
+bits), and a sampled sequence's choice at each position is drawn with the word of its random stream
+that plain decoding would use there (the words of positions past the first disagreement are handed
+back). For a sampled sequence this is speculative sampling's rule for a draft that is one token for
+sure (q = 1 at the draft): accept it with probability p(draft), else draw from p without it,
+renormalised; drawing x from p and accepting where x is the draft does both at once. The drafts are taken back out of the tokens
 before anything else reads them: the KV of the accepted ones is kept (their positions count as
 computed), the rest is left to be overwritten, and blocks that only rejected drafts reached go back to
 the pool. A sequence the scheduler could not give its whole chunk (the token budget, a preemption)
 has its drafts taken back and runs a plain decode.
+
+Drafts cost: a checking step computes every draft's row (on a CPU the products' work grows with the
+rows), so a sequence whose drafts keep failing would run slower than without them. Each sequence has a
+DraftBudget: after a pass it takes at most one draft more than it had accepted (up to K), and after a
+pass that accepted none it proposes nothing for 2, 4, 8 ... 64 tokens; an accepted draft resets that.
+Open-ended text, where lookup rarely hits, so costs a few failed passes, not one every step.
 """
 
 from __future__ import annotations
@@ -31,14 +42,38 @@ from pagecli.native.interface import CpuOps
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether a sequence may take drafts: greedy without anything that makes a token depend on more than
-    its logits row (grammar, penalties, bias), one candidate, no beams; decoding (all but its last
+    """Whether a sequence may take drafts: nothing that makes a token depend on more than its logits row
+    and its random word (grammar, penalties, bias), one candidate, no beams; decoding (all but its last
     token computed)."""
     params = seq.sampling
-    return (params.greedy and seq.grammar is None and params.num_sequences == 1 and params.beam_width == 1
+    return (seq.grammar is None and params.num_sequences == 1 and params.beam_width == 1
             and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.logit_bias
             and seq.num_tokens > seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1)
+
+
+MAX_PAUSE = 64  # tokens a sequence goes without proposals after failed passes, at most
+
+
+class DraftBudget:
+    """How many drafts a sequence takes at its next proposal, and from which token count on."""
+
+    __slots__ = ("length", "misses", "resume_at")
+
+    def __init__(self, length: int) -> None:
+        self.length = length  # drafts the next proposal may hold
+        self.misses = 0  # passes in a row that accepted nothing
+        self.resume_at = 0  # no proposal before the sequence holds this many tokens
+
+    def after_pass(self, accepted: int, num_tokens: int, limit: int) -> None:
+        """Update from a pass that accepted `accepted` drafts; num_tokens: the sequence's tokens after it
+        (the drafts taken back, the tokens it yields counted); limit: K."""
+        self.length = max(1, min(limit, accepted + 1))
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.resume_at = num_tokens + min(MAX_PAUSE, 2 ** self.misses)
 
 
 class Speculator:
@@ -60,7 +95,11 @@ class Speculator:
         for seq in running:
             if not speculates(seq):
                 continue
-            room = min(self.num_tokens, seq.max_model_len - seq.num_tokens - 1,
+            if seq.spec is None:
+                seq.spec = DraftBudget(self.num_tokens)
+            if seq.num_tokens < seq.spec.resume_at:
+                continue
+            room = min(seq.spec.length, seq.max_model_len - seq.num_tokens - 1,
                        seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
             drafts = propose(seq.token_ids, room, self.max_ngram)
             if drafts:
@@ -100,15 +139,19 @@ class Speculator:
                 plain_rows.append(row)
             else:
                 drafts = seq.token_ids[-seq.num_draft :]
-                choices = sample(logits[row : row + count], [seq] * count, ops)  # greedy: each row's argmax
+                # Greedy: each row's argmax; sampled: each row drawn with the next word of the stream.
+                choices = sample(logits[row : row + count], [seq] * count, ops)
                 accepted = 0
                 while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
                     accepted += 1
+                if seq.rng is not None:  # the words past the last token yielded go back to the stream
+                    seq.rng.drawn -= count - (accepted + 1)
                 self.proposed += len(drafts)
                 self.accepted += accepted
                 self.passes += 1
                 self.tokens += accepted + 1
                 self._take_back(seq)
+                seq.spec.after_pass(accepted, seq.num_tokens + accepted + 1, self.num_tokens)
                 yielded[id(seq)] = choices[: accepted + 1]
             row += count
         if len(plain) != len(sampled):
