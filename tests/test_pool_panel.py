@@ -122,3 +122,10 @@ def test_a_grouped_cell_shows_the_most_significant_state_it_holds():
     mixed = ("free",) * 5 + ("active",) + ("cached",) * 2 + ("shared",)
     assert group_states(mixed * 300, 256)[0][0] == "shared"
     assert group_states((("free",) * 7 + ("active",) + ("cached",)) * 300, 256)[0][0] == "active"
+
+
+def test_speculation_shows_once_drafts_were_checked(tiny_llama):
+    snapshot = make_engine(tiny_llama).stats()
+    assert "speculation" not in render(pool_panel(snapshot))  # off, or nothing checked yet
+    stats = replace(snapshot, spec_drafts=200, spec_accepted=130, spec_passes=60, spec_tokens=190)
+    assert "speculation: 65% of 200 drafts accepted · 3.17 tokens a checking pass" in render(pool_panel(stats))

@@ -83,7 +83,7 @@ def test_models_health_and_metrics(server, client):
     for series in ('pagecli_requests_total{endpoint="/v1/completions",status="200"}',
                    "pagecli_time_to_first_token_seconds_bucket", "pagecli_inter_token_latency_seconds_bucket",
                    'pagecli_kv_blocks{state="cached"}', 'pagecli_prefix_hit_tokens_total{tier="disk"}',
-                   "pagecli_preemptions_total", "pagecli_completion_tokens_total"):
+                   "pagecli_preemptions_total", "pagecli_completion_tokens_total", "pagecli_spec_accepted_total"):
         assert series in metrics, series
     assert server.log_lines and "POST /v1/completions 200" in server.log_lines[-1]
 

@@ -43,6 +43,11 @@ class _EngineCollector:
                                   stats.num_preemptions)
         yield CounterMetricFamily("pagecli_prompt_tokens_computed", "Prompt tokens prefilled (not cached).",
                                   stats.prompt_tokens_computed)
+        for name, text in (("drafts", "Draft tokens checked (--speculate)."),
+                           ("accepted", "Draft tokens the model agreed with (--speculate)."),
+                           ("passes", "Sequence-steps that checked drafts (--speculate)."),
+                           ("tokens", "Tokens those checking passes yielded (--speculate).")):
+            yield CounterMetricFamily(f"pagecli_spec_{name}", text, getattr(stats, f"spec_{name}"))
 
 
 class ServerMetrics:

@@ -109,6 +109,12 @@ def turn_line(turn: TurnStats) -> Text:
     return line
 
 
+def speculation_line(stats: EngineStats) -> Text:
+    """How --speculate has done so far: drafts accepted, and tokens a checking pass gave."""
+    return Text(f"speculation: {stats.spec_acceptance:.0%} of {stats.spec_drafts:,} drafts accepted · "
+                f"{stats.spec_tokens / stats.spec_passes:.2f} tokens a checking pass", style="magenta")
+
+
 def pool_panel(stats: EngineStats, turn: TurnStats | None = None, cells_per_row: int = CELLS_PER_ROW,
                max_rows: int = MAX_ROWS) -> Panel:
     parts: list[Text] = []
@@ -117,6 +123,8 @@ def pool_panel(stats: EngineStats, turn: TurnStats | None = None, cells_per_row:
     parts += [occupancy_line(stats), memory_line(stats)]
     if stats.adapter_requests:
         parts.append(Text(f"LoRA: {adapter_text(stats)}", style="cyan"))
+    if stats.spec_passes:
+        parts.append(speculation_line(stats))
     if turn is not None:
         parts.append(turn_line(turn))
     return Panel(Group(*parts), title="KV block pool", title_align="left", border_style="grey50", expand=False)
