@@ -97,7 +97,8 @@ def test_an_f16_moe_gguf_gives_its_folders_weights_in_fp16_and_greedy_tokens(arc
     original = load_file(str(hf_folder / "model.safetensors"))
     converted = load_file(str(folder / "model.safetensors"))
     for name, weight in original.items():
-        stored = weight.astype(np.float16) if re.search(r"(_proj|\.w[123])\.weight$", name) else weight  # projections, experts
+        in_fp16 = re.search(r"(_proj|\.w[123])\.weight$", name)  # the projections and experts; norms, router in F32
+        stored = weight.astype(np.float16) if in_fp16 else weight
         assert np.array_equal(converted[name], stored.astype(np.float32)), name
     if arch == "qwen3_moe":
         # Rounding to fp16 flips one router choice of the tiny Qwen3-MoE: layer 0 gives a prompt token's

@@ -16,8 +16,8 @@ import numpy as np
 from pagecli.models import gguf_convert
 
 # A checkpoint's expert weight -> its layer, expert and GGUF stacked tensor (Mixtral's w1/w3/w2, the others')
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
-                     r"\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
             "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
@@ -85,7 +85,8 @@ def write_tiny_gguf(hf_folder: Path, gguf_path: Path, architecture: str, project
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, weight in weights.items():
         if (match := _EXPERT.fullmatch(hf_name)) is not None:
-            stacked.setdefault(f"blk.{match.group(1)}.{_STACKED[match.group(3)]}.weight", {})[int(match.group(2))] = weight
+            stacked_name = f"blk.{match.group(1)}.{_STACKED[match.group(3)]}.weight"
+            stacked.setdefault(stacked_name, {})[int(match.group(2))] = weight
             continue
         if (match := _ROUTER.fullmatch(hf_name)) is not None:
             gguf_names[hf_name] = f"blk.{match.group(1)}.ffn_gate_inp.weight"
