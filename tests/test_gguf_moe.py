@@ -196,3 +196,17 @@ def test_an_f16_gguf_from_llama_cpps_converter_gives_its_folders_greedy_tokens(a
 def test_a_q8_0_gguf_from_llama_cpps_converter_runs_its_expert_blocks(arch, smollm2_dir, tmp_path):
     _, path = converted_by_llama_cpp(smollm2_dir, tmp_path, arch, "q8_0")
     assert greedy(str(path), quantize="gguf") == greedy(str(path), quantize="none")
+
+
+def test_a_sharded_moe_conversion_names_as_many_shards_as_it_writes(tiny_model_factory, tmp_path, monkeypatch):
+    from pagecli.models import gguf_convert
+
+    hf_folder, path = gguf_of(tiny_model_factory, tmp_path, "olmoe")
+    monkeypatch.setattr(gguf_convert, "MAX_SHARD_BYTES", 60_000)  # below one stacked expert tensor (98 KB)
+    folder = resolve_model(str(path))
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    assert {shard.name.split("-of-")[1] for shard in shards} == {f"{len(shards):05d}.safetensors"}
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {shard.name for shard in shards}
+    assert greedy(str(path)) == greedy(str(hf_folder))

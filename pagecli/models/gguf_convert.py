@@ -261,10 +261,14 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
 
     shard_sizes: list[int] = [0]
     for tensor in reader.tensors:
-        tensor_bytes = int(tensor.n_elements) * 4
-        if shard_sizes[-1] and shard_sizes[-1] + tensor_bytes > MAX_SHARD_BYTES:
-            shard_sizes.append(0)
-        shard_sizes[-1] += tensor_bytes
+        # a stacked expert tensor ([in, out, experts]) is written as one weight per expert, packed as _hf_tensors
+        # yields them (so the shard count named in the files is the count written)
+        pieces = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1
+        for _ in range(pieces):
+            tensor_bytes = int(tensor.n_elements) * 4 // pieces
+            if shard_sizes[-1] and shard_sizes[-1] + tensor_bytes > MAX_SHARD_BYTES:
+                shard_sizes.append(0)
+            shard_sizes[-1] += tensor_bytes
     num_shards = len(shard_sizes)
 
     def shard_name(index: int) -> str:
