@@ -10,12 +10,14 @@ every model on CPUs without VNNI: weight_plan.WeightPlan.q8_0_as_is);
 elsewhere its exact values are requantized to pagecli's int8 blocks of 64 (lossy: a second
 rounding). The output layer (or the tied embedding table) runs on its Q8_0 blocks the same way,
 where the file holds it so and the AVX2 kernel runs; otherwise it keeps the converted floats. Other
-types keep the float weights of the converted folder.
+types keep the float weights of the converted folder. A mixture of experts' stacked expert tensors
+([experts, out, in], each expert's blocks contiguous in the file) give each expert's gate/up and down products
+their own slice of the blocks, so its experts run on the file's blocks as a dense MLP does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,23 +129,34 @@ _PRODUCTS = {
     ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
     ("mlp", "down_proj"): ("ffn_down",),
 }
+# A mixture of experts' products, per expert (module mlp.experts.N), from the stacked expert tensors.
+_EXPERT_PRODUCTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 
 
-# The checkpoint's Linears each fused product replaces (DecoderLayer.fuse_projections).
+# The model's Linears each fused product replaces (DecoderLayer.fuse_projections, GatedMLP's for an expert).
 _CHECKPOINT_LINEARS = {
-    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
-    ("self_attn", "o_proj"): ("o_proj",),
-    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
-    ("mlp", "down_proj"): ("down_proj",),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
 }
 
 
 def weights_replaced(index: int, products: dict[tuple[str, str], Any]) -> frozenset[str]:
-    """The checkpoint weights of decoder layer `index` that its products on GGUF blocks (GgufBlocks.layer)
+    """The model's weights of decoder layer `index` that its products on GGUF blocks (GgufBlocks.layer)
     replace: their converted floats need not be read. A bias stays: the products take it from the Linear."""
     return frozenset(f"model.layers.{index}.{module}.{linear}.weight"
                      for (module, product), parts in products.items() if parts is not None
-                     for linear in _CHECKPOINT_LINEARS[(module, product)])
+                     for linear in _CHECKPOINT_LINEARS[product])
+
+
+def expert_slice(tensor: Any, expert: int) -> Any:
+    """One expert's [out, in] weight of a stacked expert tensor (GGUF shape [in, out, experts]): a view of its
+    bytes, which lie contiguous, expert after expert."""
+    num_experts = int(tensor.shape[2])
+    expert_bytes = tensor.data.size // num_experts
+    return replace(tensor, name=f"{tensor.name}[{expert}]", shape=tuple(tensor.shape[:2]),
+                   data=tensor.data[expert * expert_bytes:(expert + 1) * expert_bytes])
 
 
 class GgufBlocks:
@@ -164,18 +177,30 @@ class GgufBlocks:
         self.tensors = read_tensors(gguf_path, folder, self._mapping)
 
     def layer(self, index: int) -> dict[tuple[str, str], Any]:
+        """(submodule path in the decoder layer, product) -> its parts; a layer of experts has one gate/up and
+        one down product per expert (mlp.experts.N)."""
         products: dict[tuple[str, str], Any] = {}
         rotary_heads = {"attn_q": self.num_heads, "attn_k": self.num_kv_heads} if self.rows_permuted else {}
+        experts = f"blk.{index}.ffn_gate_exps.weight" in self.tensors
         for (module, product), names in _PRODUCTS.items():
-            tensors = []
-            for name in names:
-                tensor = self.tensors.get(f"blk.{index}.{name}.weight")
-                if tensor is None:
-                    raise ModelError(f"GGUF file '{self.path}' lacks blk.{index}.{name}.weight.")
-                tensors.append(tensor)
+            if experts and module == "mlp":
+                continue
+            tensors = [self._tensor(index, name) for name in names]
             products[(module, product)] = stacked_parts(tensors, [rotary_heads.get(name) for name in names])
+        if experts:
+            for product, names in _EXPERT_PRODUCTS.items():
+                stacked = [self._tensor(index, name) for name in names]
+                for expert in range(int(stacked[0].shape[2])):
+                    products[(f"mlp.experts.{expert}", product)] = stacked_parts(
+                        [expert_slice(tensor, expert) for tensor in stacked])
         self._release_pages()
         return products
+
+    def _tensor(self, index: int, name: str) -> Any:
+        tensor = self.tensors.get(f"blk.{index}.{name}.weight")
+        if tensor is None:
+            raise ModelError(f"GGUF file '{self.path}' lacks blk.{index}.{name}.weight.")
+        return tensor
 
     def _release_pages(self) -> None:
         """The parts are copies: the file's pages just read need not stay resident (100 MB of the embedded

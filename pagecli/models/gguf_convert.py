@@ -3,7 +3,8 @@
 Dequantization is exact (every quantized value becomes the float32 it stands for), and
 llama.cpp's reordering of the q/k projection rows is undone (its converter reorders llama's only:
 Qwen2's and Qwen3's rotary is already the rotate-half kind), so the folder loads in
-transformers and in pagecli's own decoders like any checkpoint from the Hub.
+transformers and in pagecli's own decoders like any checkpoint from the Hub. A mixture of experts' stacked
+expert tensors become the checkpoint's per-expert weights (gguf_experts).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import Any
 import numpy as np
 
 from pagecli.errors import ModelError
+from pagecli.models import gguf_experts
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# The GGUF architectures whose q/k rows llama.cpp's converter reorders (unpermute_rotary_rows undoes it).
-PERMUTED_ROTARY_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+# The model types (of the converted folder) whose GGUF q/k rows llama.cpp's converter reorders: those it
+# writes as `llama` files (unpermute_rotary_rows undoes it).
+PERMUTED_ROTARY_ARCHITECTURES = ("llama", "mixtral")
 # GGUF architecture -> (Hugging Face model_type, architectures entry)
 _HF_MODEL = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -86,8 +89,9 @@ def _read_header(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
             f"GGUF file '{gguf_path}' holds a '{architecture}' model, but pagecli converts only "
             f"these GGUF architectures: {supported}; pass a Hugging Face folder or hub id instead."
         )
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    return reader, metadata, _decoder_config(gguf_path, architecture, metadata, tensor_names, _token_count(reader))
+    # GGUF order: innermost dimension first
+    tensor_shapes = {tensor.name: tuple(int(dim) for dim in tensor.shape) for tensor in reader.tensors}
+    return reader, metadata, _decoder_config(gguf_path, architecture, metadata, tensor_shapes, _token_count(reader))
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -132,10 +136,11 @@ def _token_count(reader: Any) -> int | None:
 
 
 def _decoder_config(
-    gguf_path: Path, architecture: str, metadata: dict[str, Any], tensor_names: set[str], token_count: int | None
+    gguf_path: Path, architecture: str, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+    token_count: int | None
 ) -> dict[str, Any]:
-    """The Hugging Face config's keyword arguments (LlamaConfig's, Qwen2Config's, Qwen3Config's) from the
-    `<architecture>.*` and `tokenizer.ggml.*` fields."""
+    """The Hugging Face config's keyword arguments (LlamaConfig's, Qwen2Config's, Qwen3Config's, and the
+    mixtures of experts': gguf_experts) from the `<architecture>.*` and `tokenizer.ggml.*` fields."""
 
     def need(key: str) -> Any:
         if key not in metadata:
@@ -143,10 +148,10 @@ def _decoder_config(
         return metadata[key]
 
     arch = architecture
-    if metadata.get(f"{arch}.expert_count", 0):
-        raise ModelError(
-            f"GGUF file '{gguf_path}' holds a mixture-of-experts model, which pagecli does not run."
-        )
+    tensor_names = set(tensor_shapes)
+    experts = gguf_experts.has_experts(arch, metadata)
+    if arch in gguf_experts.MOE_MODELS and arch != "llama" and not experts:
+        raise ModelError(f"GGUF file '{gguf_path}' is a '{arch}' file without expert_count; it cannot be converted.")
     if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") not in (
         "none",
         "linear",
@@ -158,7 +163,7 @@ def _decoder_config(
 
     num_heads = need(f"{arch}.attention.head_count")
     hidden_size = need(f"{arch}.embedding_length")
-    model_type, hf_architecture = _HF_MODEL[arch]
+    model_type, hf_architecture = gguf_experts.MOE_MODELS[arch] if experts else _HF_MODEL[arch]
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_architecture],
@@ -182,7 +187,9 @@ def _decoder_config(
         raise ModelError(f"GGUF file '{gguf_path}' has no vocabulary; it cannot be converted.")
     if metadata.get(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": need(f"{arch}.rope.scaling.factor")}
-    if arch in ("qwen2", "qwen3"):
+    if experts:
+        config.update(gguf_experts.moe_config(gguf_path, arch, metadata, tensor_shapes, config["num_hidden_layers"]))
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         config["use_sliding_window"] = False  # llama.cpp runs them with full attention in every layer
     if arch == "qwen2":
         config["attention_bias"] = True  # bias is default on for qwen2
@@ -217,8 +224,11 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
     from gguf import dequantize
 
     for tensor in reader.tensors:
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        expert = match is not None and gguf_experts.is_expert_tensor(match.group(2)) and (
+            "num_experts" in config or "num_local_experts" in config)
         hf_name = _hf_tensor_name(tensor.name)
-        if hf_name is None:
+        if hf_name is None and not expert:
             raise ModelError(
                 f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
                 "does not have; pass the model's Hugging Face folder or hub id instead."
@@ -230,9 +240,12 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
                 f"GGUF file '{gguf_path}' uses the {tensor.tensor_type.name} quantization, which the "
                 "installed gguf package cannot dequantize; try `pip install -U gguf` or another quantization."
             ) from error
-        # GGUF lists dimensions innermost first; HF is [out_features, in_features].
+        # GGUF lists dimensions innermost first; HF is [out_features, in_features] ([experts, out, in] stacked).
         hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
+        if expert:
+            yield from gguf_experts.hf_expert_tensors(config["model_type"], int(match.group(1)), match.group(2), weight)
+            continue
         if config["model_type"] not in PERMUTED_ROTARY_ARCHITECTURES:
             pass
         elif tensor.name.endswith("attn_q.weight"):
@@ -248,10 +261,14 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
 
     shard_sizes: list[int] = [0]
     for tensor in reader.tensors:
-        tensor_bytes = int(tensor.n_elements) * 4
-        if shard_sizes[-1] and shard_sizes[-1] + tensor_bytes > MAX_SHARD_BYTES:
-            shard_sizes.append(0)
-        shard_sizes[-1] += tensor_bytes
+        # a stacked expert tensor ([in, out, experts]) is written as one weight per expert, packed as _hf_tensors
+        # yields them (so the shard count named in the files is the count written)
+        pieces = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1
+        for _ in range(pieces):
+            tensor_bytes = int(tensor.n_elements) * 4 // pieces
+            if shard_sizes[-1] and shard_sizes[-1] + tensor_bytes > MAX_SHARD_BYTES:
+                shard_sizes.append(0)
+            shard_sizes[-1] += tensor_bytes
     num_shards = len(shard_sizes)
 
     def shard_name(index: int) -> str:
@@ -275,12 +292,19 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+# GGUF architectures whose files transformers' AutoTokenizer refuses (it reads their model config first); their
+# tokenizer is built from the file's tokenizer.ggml.* fields alone, as the generic fast tokenizer.
+_TOKENIZER_FROM_FIELDS_ONLY = ("olmoe",)
 
+
+def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer_class = (PreTrainedTokenizerFast if metadata.get("general.architecture") in _TOKENIZER_FROM_FIELDS_ONLY
+                       else AutoTokenizer)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                  trust_remote_code=False)
+        tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:
         raise ModelError(
             f"transformers could not build a tokenizer from '{gguf_path}' ({error}); "
@@ -294,9 +318,11 @@ def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str
 
 
 def _write_configs(config: dict[str, Any], out_dir: Path) -> None:
-    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (GenerationConfig, LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[config["model_type"]]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+                    "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig}[config["model_type"]]
     config_class(**{key: value for key, value in config.items() if key != "model_type"}).save_pretrained(str(out_dir))
     generation_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     GenerationConfig(**{key: value for key, value in generation_ids.items() if value is not None}).save_pretrained(

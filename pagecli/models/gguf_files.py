@@ -26,15 +26,15 @@ def gguf_source(folder: Path) -> Path | None:
 
 
 def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
-    """How many of the file's decoder-layer matrices each GGUF type holds (through the converted
-    folder's index, gguf_index, where one is given)."""
+    """How many of the file's decoder-layer matrices each GGUF type holds, a stacked expert tensor counting one
+    per expert (through the converted folder's index, gguf_index, where one is given)."""
     from pagecli.models.gguf_index import tensor_entries
 
     counts: dict[str, int] = {}
     for name, (kind, _offset, _size, *shape) in tensor_entries(gguf_path, folder).items():
-        if name.startswith("blk.") and len(shape) == 2:
+        if name.startswith("blk.") and len(shape) in (2, 3):
             type_name = type_name_of(kind)
-            counts[type_name] = counts.get(type_name, 0) + 1
+            counts[type_name] = counts.get(type_name, 0) + (shape[2] if len(shape) == 3 else 1)
     return counts
 
 

@@ -244,7 +244,7 @@ class WeightPlacer:
         if products is None:  # not read ahead by layer_provided: the model loaded in floats
             products = self._gguf_blocks(model).layer(index)
         for (module_name, product_name), parts in products.items():
-            linear = getattr(getattr(layer, module_name), product_name)
+            linear = getattr(layer.get_submodule(module_name), product_name)  # module: mlp.experts.N for an expert
             if isinstance(parts, gguf_blocks.Int4Parts):
                 self._on_int4(linear, parts.q, parts.scale, parts.minimum)
             elif isinstance(parts, gguf_blocks.Q8Parts) and self.plan.q8_0_as_is:
