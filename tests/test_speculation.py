@@ -24,8 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def make_engine(folder, **config) -> Engine:
+    # Drafts in batches too (the default, 1, keeps them to a lone sequence): the checks below run batches.
     settings = {"dtype": "float32", "device": "cpu", "attention": "torch", "block_size": 4, "num_blocks": 512,
-                **config}
+                "speculate_max_batch": 64, **config}
     return Engine(config=EngineConfig(**settings), loaded=load_model(folder, "float32", "cpu", max_positions=512))
 
 
@@ -154,3 +155,14 @@ def test_a_sequence_whose_drafts_keep_failing_proposes_less_and_less(tiny_model_
     # the first holds K = 4 drafts, each later one 1.
     assert spec.passes <= 6
     assert spec.proposed == 4 + (spec.passes - 1)
+
+
+def test_no_drafts_while_more_sequences_run_than_speculate_max_batch(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    plain = outputs(make_engine(folder))
+    engine = make_engine(folder, speculate="ngram", speculate_max_batch=1)
+    assert outputs(engine) == plain
+    assert engine.speculator.passes == 0  # four prompts ran together to the end (ignore_eos, one length)
+    alone = make_engine(folder, speculate="ngram", speculate_max_batch=1)
+    assert outputs(alone, [PROMPTS[0]]) == [plain[0]]
+    assert alone.speculator.passes > 0

@@ -92,6 +92,9 @@ class EngineConfig:
     speculate: str = "off"
     num_speculative_tokens: int = 4  # drafts checked per step and sequence
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
+    # Drafts only while at most this many sequences run: a draft's row costs about what a sequence's row
+    # does, so in a batch the rows added cost more than the steps saved (docs/benchmarks/speculation.md).
+    speculate_max_batch: int = 1
     # LoRA adapters a request may name (`lora`): (name, path to a PEFT folder) pairs; a dict is taken too.
     loras: tuple[tuple[str, str], ...] = ()
     max_loras: int = DEFAULT_MAX_LORAS  # adapters in memory at once: least recently used ones make room
@@ -107,6 +110,8 @@ class EngineConfig:
                  f"speculate must be one of {', '.join(SPECULATE_CHOICES)} (got '{self.speculate}').")
         _require(1 <= self.num_speculative_tokens <= 32,
                  f"num_speculative_tokens must be between 1 and 32 (got {self.num_speculative_tokens}).")
+        _require(self.speculate_max_batch >= 1,
+                 f"speculate_max_batch must be at least 1 (got {self.speculate_max_batch}).")
         _require(1 <= self.speculate_max_ngram <= 16,
                  f"speculate_max_ngram must be between 1 and 16 (got {self.speculate_max_ngram}).")
         _require(self.block_size >= 1, f"block_size must be at least 1 (got {self.block_size}).")
