@@ -58,11 +58,12 @@ def make_set(tokenizer) -> None:
     print(f"wrote {len(lines)} requests to {SET}")
 
 
-OPEN_TOPICS = ["a lighthouse keeper", "the first winter on Mars", "a bakery that opens at midnight", "two rival chess clubs",
-               "a lost umbrella", "the oldest tree in a city", "a train that never stops", "a letter found in a wall",
-               "a robot learning to paint", "a village without clocks", "the last bookshop", "a storm at sea",
-               "a cat who runs a hotel", "a map of an unknown island", "a violin maker", "a garden on a rooftop",
-               "a detective who hates coffee", "a bridge built overnight", "a festival of lanterns", "a quiet astronaut"]
+OPEN_TOPICS = ["a lighthouse keeper", "the first winter on Mars", "a bakery that opens at midnight",
+               "two rival chess clubs", "a lost umbrella", "the oldest tree in a city", "a train that never stops",
+               "a letter found in a wall", "a robot learning to paint", "a village without clocks",
+               "the last bookshop", "a storm at sea", "a cat who runs a hotel", "a map of an unknown island",
+               "a violin maker", "a garden on a rooftop", "a detective who hates coffee",
+               "a bridge built overnight", "a festival of lanterns", "a quiet astronaut"]
 
 
 def open_prompts(tokenizer) -> list[list[int]]:

@@ -12,10 +12,10 @@ bits), and a sampled sequence's choice at each position is drawn with the word o
 that plain decoding would use there (the words of positions past the first disagreement are handed
 back). For a sampled sequence this is speculative sampling's rule for a draft that is one token for
 sure (q = 1 at the draft): accept it with probability p(draft), else draw from p without it,
-renormalised; drawing x from p and accepting where x is the draft does both at once. The drafts are taken back out of the tokens
-before anything else reads them: the KV of the accepted ones is kept (their positions count as
-computed), the rest is left to be overwritten, and blocks that only rejected drafts reached go back to
-the pool. A sequence the scheduler could not give its whole chunk (the token budget, a preemption)
+renormalised; drawing x from p and accepting where x is the draft does both at once. The drafts are
+taken back out of the tokens before anything else reads them: the KV of the accepted ones is kept
+(their positions count as computed), the rest is left to be overwritten, and blocks that only
+rejected drafts reached go back to the pool. A sequence the scheduler could not give its whole chunk (the token budget, a preemption)
 has its drafts taken back and runs a plain decode.
 
 Drafts cost: a checking step computes every draft's row (on a CPU the products' work grows with the
