@@ -49,23 +49,28 @@ class LoadingAnswers:
         self.sock = sock
         self.answered = 0  # connections answered so far (tests)
         self._stop = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # stop() writes one byte: the thread waits on nothing else
         self._thread = threading.Thread(target=self._run, name="pagecli-loading-answers", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        if not self._stop.is_set():
+            self._stop.set()
+            self._waker.send(b"x")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+        self._wake.close()
+        self._waker.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self.sock], [], [], 0.05)
+                ready, _, _ = select.select([self.sock, self._wake], [], [])
             except (OSError, ValueError):
-                return  # the socket was closed
-            if not ready or self._stop.is_set():
+                return  # a socket was closed
+            if self._stop.is_set() or self.sock not in ready:
                 continue
             try:
                 conn, _ = self.sock.accept()
