@@ -158,6 +158,13 @@ def main() -> None:
     options = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pagecli-start-"))
+    if options.before:
+        options.before = str(Path(options.before).resolve())
+    # `python -m pagecli` puts the current folder first on sys.path, ahead of PYTHONPATH: run from the scratch
+    # folder, or a run started in a checkout would time that checkout's pagecli for both trees.
+    os.chdir(work)
+    if options.json:
+        options.json = str(Path(options.json).resolve())
     one_line = work / "one.jsonl"
     one_line.write_text(json.dumps({"prompt": "Hi"}) + "\n")
     out = work / "one.out"
@@ -179,6 +186,10 @@ def main() -> None:
     if options.only:
         figures = {name: fn for name, fn in figures.items() if name in options.only.split("+")}
     trees = {"before": options.before, "after": None} if options.before else {"after": None}
+    for tree, path in trees.items():  # which pagecli each tree's processes import, said before any figure
+        where = subprocess.run([PYTHON, "-c", "import pagecli; print(pagecli.__file__)"], env=env_for(path, 1),
+                               capture_output=True, text=True, check=True).stdout.strip()
+        print(f"{tree}: {where}", flush=True)
     results: dict[str, dict[str, object]] = {}
     for name, figure in figures.items():
         runs: dict[str, list[tuple[float, int, float]]] = {tree: [] for tree in trees}
