@@ -96,3 +96,11 @@ def test_a_client_that_sends_nothing_holds_up_the_answers_for_two_seconds_at_mos
         start = time.monotonic()
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503
         assert time.monotonic() - start < 4
+
+
+def test_the_port_and_its_loading_answers_come_before_torch_starlette_and_uvicorn():
+    # startup.py binds and answers before it imports serve/server.py: its own imports must stay light.
+    probe = ("import sys, pagecli.serve.startup, pagecli.serve.loading; "
+             "print(sorted({'torch', 'starlette', 'uvicorn', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -24,12 +24,12 @@ from pagecli.serve import registry
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.engine_thread import EngineHome, EngineThread
 from pagecli.serve.keep_alive import IdleClock, describe
+from pagecli.serve.loading import LoadingAnswers
 from pagecli.serve.metrics import ServerMetrics
 from pagecli.serve.ollama_api import ModelFacts
+from pagecli.serve.options import ServeOptions
 from pagecli.serve.pool_view import RecentTurns
 from pagecli.serve.request_log import RequestLog
-from pagecli.serve.loading import LoadingAnswers
-from pagecli.serve.options import ServeOptions
 from pagecli.ui.progress import load_summary, say
 
 
