@@ -12,7 +12,8 @@ Each command runs once first (not counted: bytecode written, the model converted
 - `chat first token`: `echo Hi | pagecli chat -n 16 -t 0` from the start to the first byte of the reply on
   stdout (plain mode writes only the reply there);
 - `serve /health`: `pagecli serve --port P` from the start to the first 200 from GET /health (polled every
-  10 ms), then SIGTERM;
+  10 ms), then SIGTERM; `serve /health (any answer)`: to the first answer of any status (since the loading
+  answers, a 503 `{"status": "loading"}` while the model loads; before them, the first 200);
 - with --server-runs: the same `chat` and `generate` while a `pagecli serve --keep-alive 10m` of the same model
   runs: the newer tree finds it in the registry (plain `pagecli chat`), the older one is given `--server URL`.
 
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -91,21 +93,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def healthy(url: str) -> bool:
+def health_status(url: str) -> int | None:
+    """GET url/health's status (503 while a server says "loading"), or None where nothing answers."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as reply:
-            return reply.status == 200
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
     except OSError:
-        return False
+        return None
 
 
-def run_serve_health(env: dict[str, str], extra: list[str] = ()) -> tuple[float, int]:
+def healthy(url: str) -> bool:
+    return health_status(url) == 200
+
+
+def run_serve_health(env: dict[str, str], extra: list[str] = (), any_answer: bool = False) -> tuple[float, int]:
     port = free_port()
     start = time.perf_counter()
     process = subprocess.Popen([PYTHON, "-m", "pagecli", "serve", "--port", str(port), "--no-screen", *extra],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    while not healthy(url):
+    while (health_status(url) is None) if any_answer else not healthy(url):
         assert process.poll() is None, "the server exited"
         time.sleep(0.01)
     elapsed = time.perf_counter() - start
@@ -143,12 +152,19 @@ def main() -> None:
     parser.add_argument("--before", default=None, help="an export of the older tree (PYTHONPATH)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only", default=None, help="comma-separated figure names")
+    parser.add_argument("--only", default=None, help="figure names, separated by '+' (a name may hold a comma)")
     parser.add_argument("--server-runs", action="store_true", help="also chat and generate through a keep-alive server")
     parser.add_argument("--json", default=None)
     options = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pagecli-start-"))
+    if options.before:
+        options.before = str(Path(options.before).resolve())
+    # `python -m pagecli` puts the current folder first on sys.path, ahead of PYTHONPATH: run from the scratch
+    # folder, or a run started in a checkout would time that checkout's pagecli for both trees.
+    os.chdir(work)
+    if options.json:
+        options.json = str(Path(options.json).resolve())
     one_line = work / "one.jsonl"
     one_line.write_text(json.dumps({"prompt": "Hi"}) + "\n")
     out = work / "one.out"
@@ -165,10 +181,15 @@ def main() -> None:
         "generate 1 line, 16 tokens": generate,
         "chat first token": lambda env: run_first_byte(["chat", "-n", "16", "-t", "0"], env, b"Hi\n"),
         "serve /health": run_serve_health,
+        "serve /health (any answer)": lambda env: run_serve_health(env, any_answer=True),
     }
     if options.only:
-        figures = {name: fn for name, fn in figures.items() if name in options.only.split(",")}
+        figures = {name: fn for name, fn in figures.items() if name in options.only.split("+")}
     trees = {"before": options.before, "after": None} if options.before else {"after": None}
+    for tree, path in trees.items():  # which pagecli each tree's processes import, said before any figure
+        where = subprocess.run([PYTHON, "-c", "import pagecli; print(pagecli.__file__)"], env=env_for(path, 1),
+                               capture_output=True, text=True, check=True).stdout.strip()
+        print(f"{tree}: {where}", flush=True)
     results: dict[str, dict[str, object]] = {}
     for name, figure in figures.items():
         runs: dict[str, list[tuple[float, int, float]]] = {tree: [] for tree in trees}

@@ -19,7 +19,8 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.request_log import RequestLog
-from pagecli.serve.server import ServeOptions, build_state, listen_socket, load_on_engine_thread
+from pagecli.serve.server import ServeOptions, build_state, load_on_engine_thread
+from pagecli.serve.loading import listen_socket
 
 API_KEY = "sk-test-key"
 

@@ -89,7 +89,7 @@ def test_requests_still_running_after_the_grace_period_are_cancelled_with_an_err
 def test_a_client_that_connects_as_soon_as_the_port_is_said_is_not_refused():
     # The server says where it listens before uvicorn starts serving: the socket must already
     # listen, so that such a client waits in the backlog (it was refused: CI saw it once).
-    from pagecli.serve.server import listen_socket
+    from pagecli.serve.loading import listen_socket
 
     with listen_socket("127.0.0.1", 0) as sock, socket.create_connection(sock.getsockname()[:2], timeout=5):
         accepted, _ = sock.accept()

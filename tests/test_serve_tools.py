@@ -217,7 +217,7 @@ def test_llama3_and_mistral_templates_have_their_calls_read(template, reply):
 
 
 def test_reasoning_format_flag_reaches_the_server_and_a_wrong_value_is_one_line(monkeypatch, capsys):
-    import pagecli.serve.server as server
+    import pagecli.serve.startup as server
     from pagecli.cli import main
 
     seen = []

@@ -17,7 +17,7 @@ from pagecli import native
 from pagecli.models.layers import RotaryEmbedding
 from pagecli.models.loader import _plain_config, load_hf_config, load_tokenizer
 from pagecli.models.spec import DecoderSpec
-from pagecli.models.tokenizer import PlainTokenizer, load_plain_tokenizer
+from pagecli.models.tokenizer import PlainTokenizer, load_plain_tokenizer, token_ids_of
 from tiny_models import ARCHS, CHATML
 
 
@@ -190,6 +190,18 @@ def test_the_plain_tokenizer_reads_the_embedded_model_like_transformers(smollm2_
     ours = load_tokenizer(smollm2_dir)
     assert isinstance(ours, PlainTokenizer)
     _assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(smollm2_dir))
+
+
+def test_token_ids_of_finds_what_the_whole_vocabulary_finds(smollm2_dir):
+    # The engine's stop tokens ask for a few tokens instead of building the 49,152-token dict (0.1 s of a start).
+    from transformers import AutoTokenizer
+
+    asked = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|eot_id|>", "hello", "Ġthe", "not a token"]
+    ours, theirs = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
+    whole = ours.get_vocab()
+    expected = {token: whole[token] for token in asked if token in whole}
+    assert token_ids_of(ours, asked) == token_ids_of(theirs, asked) == expected
+    assert expected["<|im_end|>"] == 2 and "not a token" not in expected and "<|eot_id|>" not in expected
 
 
 def test_the_chat_template_renders_in_the_environment_transformers_gives_it(tiny_llama):

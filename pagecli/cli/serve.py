@@ -47,7 +47,7 @@ def serve(
     """Serve the model over OpenAI's APIs (/v1/chat/completions, /v1/completions, /v1/responses), Anthropic's
     (/v1/messages) and Ollama's (/api/*), with a chat page and the live block pool at /."""
     from pagecli.serve.keep_alive import parse_duration
-    from pagecli.serve.server import ServeOptions, run_server
+    from pagecli.serve.startup import ServeOptions, run_server
 
     if model_arg and flags.model and model_arg != flags.model:
         raise PagecliError(f"Two models given ('{model_arg}' and --model '{flags.model}'); pass one.")

@@ -48,6 +48,7 @@ from pagecli.native.interface import CpuOps
 from pagecli.models.fingerprint import kv_fingerprint_name, model_fingerprint
 from pagecli.models.loader import LoadedModel, load_hf_config, load_model, resolve_device
 from pagecli.models.spec import DecoderSpec
+from pagecli.models.tokenizer import token_ids_of
 from pagecli.models.weight_forms import WeightPlacer
 from pagecli.models.weight_plan import plan_for_folder
 from pagecli.store.blobs import BlockGeometry
@@ -242,12 +243,8 @@ class Engine:
         )
 
     def _stop_token_ids(self) -> frozenset[int]:
-        ids = set(self.loaded.eos_token_ids)
-        vocab = self.tokenizer.get_vocab()
-        for marker in _END_OF_TURN_MARKERS:
-            if marker in vocab and (self.chat_template is None or marker in self.chat_template):
-                ids.add(vocab[marker])
-        return frozenset(ids)
+        markers = [m for m in _END_OF_TURN_MARKERS if self.chat_template is None or m in self.chat_template]
+        return frozenset({*self.loaded.eos_token_ids, *token_ids_of(self.tokenizer, markers).values()})
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

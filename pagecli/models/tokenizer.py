@@ -9,7 +9,7 @@ transformers would add or re-flag, a second chat template) sends the folder back
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,20 @@ class PlainTokenizer:
             raise ValueError("Cannot apply a chat template to an empty conversation.")
         return render_conversation(self.chat_template, messages, self.special_tokens, tools=tools,
                                    add_generation_prompt=add_generation_prompt, limits=limits)
+
+
+def token_ids_of(tokenizer: Any, tokens: Iterable[str]) -> dict[str, int]:
+    """The ids of those of `tokens` that are one token of the vocabulary, added tokens included. A PlainTokenizer
+    asks tokenizers for each (microseconds); another (transformers') is read through its whole get_vocab(), a dict
+    of the vocabulary built at each call (0.1 s for 49,152 tokens)."""
+    tokens = list(tokens)
+    if not tokens:
+        return {}
+    if isinstance(tokenizer, PlainTokenizer):
+        found = {token: tokenizer.backend.token_to_id(token) for token in tokens}
+        return {token: index for token, index in found.items() if index is not None}
+    vocab = tokenizer.get_vocab()
+    return {token: vocab[token] for token in tokens if token in vocab}
 
 
 def load_plain_tokenizer(folder: Path) -> PlainTokenizer | None:

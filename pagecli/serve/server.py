@@ -1,6 +1,6 @@
-"""Starting and stopping the server: load the engine, start its thread, listen with uvicorn, and on
-SIGTERM or Ctrl-C stop accepting, let what runs finish within the grace period, cancel the rest, flush
-the disk prefix store and return 0."""
+"""Starting and stopping the server: load the engine (while pagecli/serve/startup.py answers "loading" on
+the port it took), start its thread, listen with uvicorn, and on SIGTERM or Ctrl-C stop accepting, let what
+runs finish within the grace period, cancel the rest, flush the disk prefix store and return 0."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from pagecli.errors import PagecliError
 from pagecli.models.chat_template import apply_chat_template
 from pagecli.models.source import model_identity
 from pagecli.models.reasoning import prompt_opens_thinking
@@ -26,25 +24,13 @@ from pagecli.serve import registry
 from pagecli.serve.app import ServeState, create_app
 from pagecli.serve.engine_thread import EngineHome, EngineThread
 from pagecli.serve.keep_alive import IdleClock, describe
+from pagecli.serve.loading import LoadingAnswers
 from pagecli.serve.metrics import ServerMetrics
 from pagecli.serve.ollama_api import ModelFacts
+from pagecli.serve.options import ServeOptions
 from pagecli.serve.pool_view import RecentTurns
 from pagecli.serve.request_log import RequestLog
 from pagecli.ui.progress import load_summary, say
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_pending: int = 256  # candidates queued or running; more get 429
-    grace_s: float = 30.0  # how long SIGTERM waits for running requests before cancelling them
-    screen: bool | None = None  # the live pool panel and request table; default: when stdout is a terminal
-    reasoning_format: str = "separate"  # separate: <think> text as reasoning_content; none: left in content
-    keep_alive_s: float | None = None  # stop this long after the last request (and be found in the registry)
 
 
 class _Server(uvicorn.Server):
@@ -81,27 +67,6 @@ class _Server(uvicorn.Server):
                                   f"running get up to {self.grace_s:g} s.")
         self.engine_thread.stop_accepting()
         super().handle_exit(sig, frame)
-
-
-LISTEN_BACKLOG = 2048  # uvicorn's default backlog
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so a taken port is one clear sentence (uvicorn would exit), and
-    listening from here on: a client that connects as soon as the server says where it listens waits
-    in the backlog until uvicorn accepts, instead of being refused in between."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise PagecliError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or "
-                           "--host.") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def model_ids(engine: Any) -> tuple[str, ...]:
@@ -143,15 +108,11 @@ def _opens_thinking(engine: Any, template: str | None) -> bool:
     return isinstance(text, str) and prompt_opens_thinking(text)
 
 
-def run_server(settings: Any, options: ServeOptions) -> int:
+def serve_model(settings: Any, options: ServeOptions, sock: socket.socket, loading: LoadingAnswers) -> int:
+    """Load the engine while `loading` answers on `sock` (pagecli/serve/startup.py), then serve on it."""
     from pagecli.engine import Engine
 
     identity = model_identity(settings.model) if options.keep_alive_s is not None else None
-    if options.host not in LOOPBACK_HOSTS and not options.api_key:
-        say(f"Warning: listening on {options.host} without --api-key: anyone who can reach this machine can use "
-            "the model.", style="yellow")
-    sock = listen_socket(options.host, options.port)
-    say("Loading model ...", style="dim")
     home, engine = load_on_engine_thread(lambda: Engine(settings.model, settings.engine,
                                                         progress=lambda msg: say(msg, style="dim")))
     say(load_summary(engine.stats()), style="dim")
@@ -162,6 +123,7 @@ def run_server(settings: Any, options: ServeOptions) -> int:
     if screen is not None:
         screen.attach(state.engine_thread)
     entry = None if identity is None else _entry(settings, options, identity, sock)
+    loading.stop()  # from here on a connection waits in the backlog for uvicorn
     try:
         _serve(state, sock, options, screen, entry)
     finally:
