@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from architecture_helpers import at_level, engine_for  # noqa: F401  (at_level is a fixture)
-from native_levels import COMPILED_LEVELS, skip_without_native
+from native_levels import COMPILED_LEVELS, skip_without_native, threads
 from pagecli.config import SamplingParams
 
 skip_without_native()
@@ -44,18 +44,18 @@ def logits_of(engine, prompt: str) -> tuple[list[torch.Tensor], tuple[int, ...]]
 def test_whole_chunked_and_after_a_prefix_hit_give_the_same_bits(level, at_level, tiny_model_factory):  # noqa: F811
     at_level(level)
     folder = tiny_model_factory("llama")
-    torch.set_num_threads(1)
-    engine = engine_for(folder, attention="auto", block_size=16)
-    whole, tokens = logits_of(engine, PROMPT)
-    assert len(whole) == GREEDY.max_tokens
-    hit, hit_tokens = logits_of(engine, PROMPT)  # the same prompt again: its full blocks are found
-    assert engine.stats().prefix_hit_tokens > 0, "the second run was meant to find the prompt's blocks"
-    runs = {"after a prefix hit": hit}
-    for budget in (5, 16, 40):  # short chunks (the one-call decode step), and chunks of the layer loop
-        chunked = engine_for(folder, attention="auto", block_size=16, max_num_batched_tokens=budget,
-                             enable_prefix_caching=False)
-        runs[f"chunks of {budget}"], chunk_tokens = logits_of(chunked, PROMPT)
-        assert chunk_tokens == tokens
+    with threads(1):
+        engine = engine_for(folder, attention="auto", block_size=16)
+        whole, tokens = logits_of(engine, PROMPT)
+        assert len(whole) == GREEDY.max_tokens
+        hit, hit_tokens = logits_of(engine, PROMPT)  # the same prompt again: its full blocks are found
+        assert engine.stats().prefix_hit_tokens > 0, "the second run was meant to find the prompt's blocks"
+        runs = {"after a prefix hit": hit}
+        for budget in (5, 16, 40):  # short chunks (the one-call decode step), and chunks of the layer loop
+            chunked = engine_for(folder, attention="auto", block_size=16, max_num_batched_tokens=budget,
+                                 enable_prefix_caching=False)
+            runs[f"chunks of {budget}"], chunk_tokens = logits_of(chunked, PROMPT)
+            assert chunk_tokens == tokens
     assert hit_tokens == tokens
     for name, rows in runs.items():
         assert len(rows) == len(whole), name
