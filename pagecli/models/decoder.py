@@ -171,9 +171,9 @@ class CausalLM(nn.Module):
             return self._forward_sandwich(h, positions, kv_caches, meta, backend, lora)
         # The C++ loop stands for the torch backend with the same kernels (base-model steps of decodes or short
         # chunks: CpuAttentionBackend.one_call_rows).
-        rows = (backend.one_call_rows(h, kv_caches, meta)
-                if self.decode_step is not None and lora is None and getattr(backend, "cpu_ops", None) is not None
-                else None)
+        one_call_rows = getattr(backend, "one_call_rows", None)  # the compiled CPU kernels' backend has it
+        rows = (one_call_rows(h, kv_caches, meta)
+                if self.decode_step is not None and lora is None and one_call_rows is not None else None)
         if rows is not None:
             return self.decode_step.forward(h, positions, kv_caches, rows[0], rows[1], meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h
