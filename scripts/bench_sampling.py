@@ -28,6 +28,13 @@ VOCAB = 49152
 ROWS = 64
 SHIPPED = dict(temperature=0.7, top_p=0.95)
 LLAMA_CPP_CHAIN = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+TOPICS = ["the sea", "a library", "trains", "winter", "bread", "bees", "maps", "a garden"]
+
+
+def story_prompts(count: int, label: str = "") -> list[list[dict[str, str]]]:
+    """The engine runs' chat prompts, a short story each; a label (", round 2") makes a set of prompts of its own."""
+    return [[{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i}{label})."}]
+            for i in range(count)]
 
 
 def spread(values: list[float]) -> str:
@@ -65,9 +72,7 @@ def bench_engine(repeats: int) -> None:
     engine = Engine(str(prepare_default_model()), EngineConfig())
     print(f"engine: embedded model, dtype {engine.loaded.dtype}, quantize {engine.quantize}, "
           f"{torch.get_num_threads()} threads")
-    topics = ["the sea", "a library", "trains", "winter", "bread", "bees", "maps", "a garden"]
-    prompts = [[{"role": "user", "content": f"Write a short story about {topics[i % 8]} (number {i})."}]
-               for i in range(64)]
+    prompts = story_prompts(64)
     for label, count, tokens in (("64 prompts x 128", 64, 128), ("1 prompt x 256", 1, 256)):
         rates: dict[str, list[float]] = {"greedy": [], "shipped 0.7/0.95": []}
         for r in range(repeats):

@@ -20,14 +20,13 @@ import argparse
 import statistics
 import time
 
-from peer_drivers import VllmChild, add_vllm_arguments, vllm_jobs_driver, vllm_options  # scripts/ is on sys.path
+from bench_sampling import SHIPPED, story_prompts  # scripts/ is on sys.path
+from peer_drivers import VllmChild, add_vllm_arguments, vllm_jobs_driver, vllm_options
 
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 
-SHIPPED = dict(temperature=0.7, top_p=0.95)
 WAYS = {"greedy": dict(temperature=0.0), "shipped 0.7/0.95": SHIPPED}
-TOPICS = ["the sea", "a library", "trains", "winter", "bread", "bees", "maps", "a garden"]
 
 # Runs in vLLM's venv (peer_drivers.vllm_jobs_driver); a job is {"round": r, "way": name, "max_tokens": T}.
 VLLM_SAMPLING_DRIVER = vllm_jobs_driver(r"""
@@ -47,9 +46,7 @@ def run_job(job):
 
 
 def round_prompts(engine: Engine, count: int, round_index: int) -> list[list[int]]:
-    return [engine.encode([{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} "
-                                                      f"(number {i}, round {round_index})."}])
-            for i in range(count)]
+    return [engine.encode(messages) for messages in story_prompts(count, f", round {round_index}")]
 
 
 def pagecli_tok_s(engine: Engine, prompts: list[list[int]], way: str, max_tokens: int) -> float:
