@@ -1,11 +1,12 @@
-"""Two builds of pagecli's CPU kernels side by side: the sampler of each on the same logits and words,
-alternating (a kernel change measured against the build before it, in one process).
+"""Two builds of pagecli's CPU kernels side by side: the sampler and the greedy choice of each on the same
+logits and words, alternating (a kernel change measured against the build before it, in one process).
 
     .venv/bin/python scripts/ab_native_builds.py OLD_KEY NEW_KEY [--threads 1] [--reps 15]
 
 OLD_KEY and NEW_KEY name folders of ~/.cache/pagecli/native (a build's key: the folder a checkout's
 `python -m pagecli.native` prints). 64 rows of SmolLM2's 49,152-token vocabulary, flat, peaked and
-language-model-like, at the shipped sampling and llama.cpp's default chain; ms per call, median [range].
+language-model-like, at the shipped sampling, llama.cpp's default chain and greedy (`greedy_tokens`, on logits
+rewritten just before each call, as the output layer leaves them); ms per call, median [range].
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def main() -> None:
     rng = random.Random(1)
     for case, scale in (("flat", 0.5), ("peaked", 3.0), ("lm-like", 8.0)):
         logits = torch.randn(rows, vocab, generator=gen) * scale
+        times_greedy: dict[str, list[float]] = {"old": [], "new": []}
+        for rep in range(args.reps):
+            for name in ("old", "new") if rep % 2 == 0 else ("new", "old"):
+                logits.add_(0.0)  # written just now, as by the output layer
+                start = time.perf_counter()
+                builds[name].greedy_tokens(logits)
+                times_greedy[name].append((time.perf_counter() - start) * 1e3)
+        print(f"{case:8} {'greedy':17} " + "  ".join(
+            f"{name} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]" for name, v in times_greedy.items()),
+            flush=True)
         for label, (t, k, p, m) in settings.items():
             times: dict[str, list[float]] = {"old": [], "new": []}
             for rep in range(args.reps):

@@ -27,6 +27,25 @@ def test_the_greedy_token_is_torch_max_index(ops, dtype, vocab):
     assert ops.greedy_tokens(logits) == logits.max(dim=-1).indices.tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_and_nans_across_the_kernels_chunks_of_1024_logits(ops, dtype):
+    """The kernel takes a row in chunks of 1,024 logits in one pass: the first chunk holding the largest value,
+    then its first index there. Equal maxima in several chunks, at chunk edges, a NaN after the maximum."""
+    vocab = 5000
+    logits = torch.zeros(8, vocab).to(dtype)
+    logits[0, [1023, 1024, 4999]] = 3  # the first of three equal maxima ends the first chunk
+    logits[1, [1024, 2048]] = 3  # the first one starts the second chunk
+    logits[2, [4999]] = 3  # in the short last chunk
+    logits[3, [2500, 100]] = torch.tensor([5.0, 4.0]).to(dtype)  # a larger value in a later chunk wins
+    logits[4, 4000] = float("nan")  # a NaN after the maximum: torch.max's NaN
+    logits[4, 10] = 9
+    logits[5, :] = -float("inf")
+    logits[5, 3000:] = -1  # all but the first chunks masked
+    logits[6, :] = -float("inf")
+    logits[7, [2047, 3071]] = 1  # two equal maxima, each at the end of its chunk
+    assert ops.greedy_tokens(logits) == logits.max(dim=-1).indices.tolist() == [1023, 1024, 4999, 2500, 4000, 3000, 0, 2047]
+
+
 def test_a_strided_view_of_logits_is_read_as_its_values(ops):
     logits = torch.randn(6, 100).bfloat16()
     view = logits[::2, 10:90]

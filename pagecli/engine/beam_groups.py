@@ -97,6 +97,8 @@ class BeamGroups:
                   ) -> tuple[list[Sequence], torch.Tensor, list[FinishedBeam]]:
         """Keep the rows of beam sequences and step every group whose rows are all in. Returns the other
         sequences with their logits rows, and the hypotheses of the searches that ended."""
+        if not self._groups:
+            return sampled, logits, []
         mine = [row for row, seq in enumerate(sampled) if self.owns(seq)]
         if not mine:
             return sampled, logits, []

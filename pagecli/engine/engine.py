@@ -362,16 +362,20 @@ class Engine:
         yielded: dict[int, list[int]] = {}
         if self.speculator and any(seq.num_draft for seq in sampled):
             sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)
+        block_size = self.kv.block_size
         for item in plan.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             # A drafting sequence computed its last token and the drafts it keeps (one fewer than it yields).
-            num_new = len(yielded[id(seq)]) if id(seq) in yielded else item.num_new_tokens
-            self._prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-            seq.num_computed_tokens += num_new
-            self.kv.commit_full_blocks(seq)
+            num_new = len(yielded[id(seq)]) if yielded and id(seq) in yielded else item.num_new_tokens
+            prompt_len = len(seq.prompt_token_ids)
+            if start < prompt_len:
+                self._prompt_tokens_computed += min(start + num_new, prompt_len) - start
+            seq.num_computed_tokens = start + num_new
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):  # a block filled: hash it
+                self.kv.commit_full_blocks(seq)
         self._steps += 1
-        events_ahead = self._speculated_tokens(plan, yielded)
+        events_ahead = self._speculated_tokens(plan, yielded) if yielded else []
         sampled, logits, ended = self.beams.take_rows(sampled, logits)
         events = events_ahead + [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
@@ -464,7 +468,7 @@ class Engine:
             if stop_at is not None:
                 req.final_text = req.detok.text[:stop_at]
                 reason = "stop"
-            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_model_len:
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= seq.max_model_len:
                 reason = "length"
         if reason is not None:
             self._persist_finished_prompt(seq)
@@ -508,7 +512,7 @@ class Engine:
         return RequestEvent(
             request_id=seq.request_id, text=new_text, token_ids=() if token_id is None else (token_id,),
             finished=reason is not None,
-            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
+            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens, ttft_s=ttft, index=seq.candidate_index,
         )
 

@@ -136,6 +136,10 @@ class KVCacheManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold num_new_tokens more tokens, first copying any shared block they
         land in (copy-on-write); False (and no change) if the pool is short."""
+        if num_new_tokens == 1:  # a decode token (most calls): in a block of its own, nothing to do
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(seq.block_table) and self.pool.blocks[seq.block_table[index]].ref_count == 1:
+                return True
         needed = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
         shared = self._shared_blocks_written(seq, num_new_tokens)
         if needed + len(shared) > self.pool.num_reusable:

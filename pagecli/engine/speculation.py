@@ -105,7 +105,7 @@ class Speculator:
             if seq.num_tokens < seq.spec.resume_at:
                 continue
             room = min(seq.spec.length, seq.max_model_len - seq.num_tokens - 1,
-                       seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
+                       seq.sampling.max_tokens - seq.num_output_tokens - 1)
             drafts = propose(seq.token_ids, room, self.max_ngram)
             if drafts:
                 seq.token_ids.extend(drafts)
