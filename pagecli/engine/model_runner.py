@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagecli.attention import AttentionBackend, AttentionMetadata
+from pagecli.attention.metadata import host_tensor
 from pagecli.kv_format import KVFormat, resolve_kv_format
 from pagecli.engine.block_tables import KeptBlockTables
 from pagecli.engine.scheduler import ScheduledSeq
@@ -82,10 +83,10 @@ class ModelRunner:
         tables = self.block_tables.gather([item.seq for item in scheduled])  # [num_seqs, max_blocks]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, num_decode, device)
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            input_ids=host_tensor(input_ids, torch.int64, device),
+            positions=host_tensor(positions, torch.int64, device),
             meta=meta,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+            sample_indices=host_tensor(sample_indices, torch.int64, device),
             lora=None if self.lora_slots is None and not any(item.seq.lora for item in scheduled) else
             LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
                                  for item in scheduled), self.lora_slots, device),
