@@ -8,18 +8,14 @@ tokens; a malformed file is one ModelError. The files are written as llama.cpp's
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from engine_probes import recorded_logits
+from llama_cpp_files import LLAMA_CPP, converted_by_llama_cpp
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError
@@ -142,44 +138,6 @@ def test_an_moe_gguf_using_more_experts_than_it_has_is_named(tiny_model_factory,
     _, path = gguf_of(tiny_model_factory, tmp_path, "mixtral", metadata={"expert_used_count": 9})
     with pytest.raises(ModelError, match="expert_used_count 9 for 8 experts"):
         resolve_model(str(path))
-
-
-# llama.cpp's own converter, from the llama-cpp-python sdist's vendored source (docs/benchmarks: how the
-# benchmarks unpack it); PAGECLI_LLAMA_CPP points at another checkout.
-LLAMA_CPP = Path(os.environ.get("PAGECLI_LLAMA_CPP", "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
-
-
-def converted_by_llama_cpp(smollm2_dir, tmp_path, arch: str, outtype: str) -> tuple[Path, Path]:
-    """A tiny random `arch` model with SmolLM2's tokenizer (a BPE whose pre-tokenizer the converter knows; the
-    tiny models' own it refuses) and its GGUF from convert_hf_to_gguf.py --outtype outtype."""
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path / arch
-    overrides = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 64,
-                 "moe_intermediate_size": 64, "mlp_only_layers": []}  # llama.cpp maps no dense Qwen3-MoE layer
-    if arch == "olmoe":
-        overrides["rms_norm_eps"] = 1e-5  # the converter writes OLMoE's as 1e-5 whatever the config says
-    torch.manual_seed(0)
-    config = tiny_config(arch, **{k: v for k, v in overrides.items() if k in tiny_config(arch).to_dict()})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, folder / name)
-    # Its llama converter imports sentencepiece before looking for a tokenizer.model; a stand-in module (pagecli
-    # does not depend on sentencepiece) lets it go on to the BPE tokenizer.json.
-    stand_in = tmp_path / "stand-in" / "sentencepiece"
-    stand_in.mkdir(parents=True)
-    (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
-    path = tmp_path / f"{arch}.{outtype}.gguf"
-    env = {**os.environ, "PYTHONPATH": f"{LLAMA_CPP / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
-    subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-                    "--outfile", str(path)], env=env, check=True, capture_output=True)
-    return folder, path
 
 
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="llama.cpp's source is not here")

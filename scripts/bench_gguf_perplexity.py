@@ -1,0 +1,150 @@
+"""pagecli's perplexity against llama.cpp's own `llama-perplexity` on the same GGUF files and text (issue 46).
+
+    .venv/bin/python scripts/bench_gguf_perplexity.py [--llama-cpp DIR] [--text FILE] [--types Q8_0,Q4_0]
+        [--archs smollm2,mixtral,qwen3_moe,olmoe] [--work DIR] [--threads 2]
+
+For each model: an F16 GGUF written by llama.cpp's convert_hf_to_gguf.py, then each of --types made from it by
+llama.cpp's llama-quantize; both tools score every file over the same text in windows of 512 tokens (the
+second half of each scored, as llama-perplexity does), and the table gives both figures with their standard
+errors and whether they agree within them, beside transformers' figure on the same windows of the file's
+numbers (its converted float32 folder): the reference both should reach. `smollm2` is the embedded SmolLM2-135M-Instruct (its converted
+folder); the others are tiny random models of each architecture with SmolLM2's tokenizer (tests/llama_cpp_files.py),
+whose perplexities are large (random weights) but computed from the same file by both tools. pagecli runs its
+defaults: `--quantize auto`, the file's own blocks where they run as they lie.
+
+DIR of llama.cpp: a source tree with build/bin/llama-quantize and build/bin/llama-perplexity built
+(docs/benchmarks: how the benchmarks build them from the llama-cpp-python sdist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+OURS = re.compile(r"^perplexity ([0-9.]+) \+/- ([0-9.]+)", re.M)
+
+
+def f16_file(arch: str, llama_cpp: Path, work: Path) -> Path:
+    """The F16 GGUF of the model named arch, written by llama.cpp's converter (made once under work)."""
+    from llama_cpp_files import converted_by_llama_cpp
+    from pagecli.models.source import prepare_default_model
+
+    if arch != "smollm2":
+        path = work / f"{arch}.f16.gguf"
+        # llama.cpp's OLMoE takes its q/k norms over all heads' width: no grouped K/V heads there (nor in OLMoE).
+        overrides = {"num_key_value_heads": 4} if arch == "olmoe" else {}
+        return path if path.is_file() else converted_by_llama_cpp(prepare_default_model(), work, arch, "f16", **overrides)[1]
+    path = work / "smollm2.f16.gguf"
+    if not path.is_file():
+        stand_in = work / "stand-in" / "sentencepiece"  # as converted_by_llama_cpp: the converter imports it
+        stand_in.mkdir(parents=True, exist_ok=True)
+        (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
+        env = {**os.environ, "PYTHONPATH": f"{llama_cpp / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(prepare_default_model()),
+                        "--outtype", "f16", "--outfile", str(path)], env=env, check=True, capture_output=True)
+    return path
+
+
+def quantized(f16: Path, kind: str, llama_cpp: Path) -> Path:
+    path = f16.with_name(f16.name.replace(".f16.", f".{kind}."))
+    if not path.is_file():
+        subprocess.run([str(llama_cpp / "build" / "bin" / "llama-quantize"), str(f16), str(path), kind],
+                       check=True, capture_output=True)
+    return path
+
+
+def llama_perplexity(path: Path, text: Path, llama_cpp: Path, threads: int) -> tuple[float, float]:
+    run = subprocess.run([str(llama_cpp / "build" / "bin" / "llama-perplexity"), "-m", str(path), "-f", str(text),
+                          "-c", "512", "-t", str(threads)], capture_output=True, text=True, check=True)
+    found = FINAL.search(run.stdout + run.stderr)
+    if found is None:
+        raise SystemExit(f"llama-perplexity printed no final estimate for {path}")
+    return float(found.group(1)), float(found.group(2))
+
+
+def pagecli_perplexity(path: Path, text: Path, threads: int) -> tuple[float, float]:
+    run = subprocess.run([sys.executable, "-m", "pagecli", "bench", "perplexity", str(text), "-m", str(path),
+                          "--ctx", "512", "--threads", str(threads)], capture_output=True, text=True, check=True)
+    found = OURS.search(run.stdout)
+    if found is None:
+        raise SystemExit(f"pagecli printed no perplexity for {path}:\n{run.stdout}\n{run.stderr}")
+    return float(found.group(1)), float(found.group(2))
+
+
+def transformers_perplexity(path: Path, text: Path, threads: int) -> float:
+    """transformers (float32) on the folder pagecli converts the file to (the file's numbers), over the same
+    windows as pagecli.bench.perplexity."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from pagecli.bench.perplexity import text_windows
+    from pagecli.models.loader import load_tokenizer
+    from pagecli.models.source import resolve_model
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    folder = resolve_model(str(path))
+    tokenizer = load_tokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    starts_with_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    nll: list[float] = []
+    with torch.no_grad():
+        for window in text_windows(ids, 512, bos if starts_with_bos else None):
+            logp = torch.log_softmax(model(torch.tensor([window])).logits[0, 256:511].float(), dim=-1)
+            nll += (-logp.gather(1, torch.tensor(window[257:])[:, None]).squeeze(1)).tolist()
+    return math.exp(sum(nll) / len(nll))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path,
+                    default=Path(os.environ.get("PAGECLI_LLAMA_CPP", "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")))
+    ap.add_argument("--text", type=Path, default=REPO / "tests" / "data" / "declaration.txt")
+    ap.add_argument("--types", default="Q8_0,Q4_0")
+    ap.add_argument("--archs", default="smollm2,mixtral,qwen3_moe,olmoe")
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "pagecli-bench" / "gguf-perplexity")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    for tool in ("llama-quantize", "llama-perplexity"):
+        if not (args.llama_cpp / "build" / "bin" / tool).is_file():
+            raise SystemExit(f"{tool} is not built under {args.llama_cpp}/build/bin (cmake --build build --target {tool})")
+    args.work.mkdir(parents=True, exist_ok=True)
+    from pagecli.doctor import cpu_model
+
+    print(f"CPU: {cpu_model()}; {args.threads} thread(s) each; text {args.text.name}; windows of 512 tokens")
+    print(f"{'model':10} {'type':5} {'pagecli':>22} {'llama-perplexity':>22} {'apart':>8} {'within errors':>14} "
+          f"{'transformers':>13} {'pagecli apart':>14} {'llama.cpp apart':>16}")
+    for arch in args.archs.split(","):
+        f16 = f16_file(arch, args.llama_cpp, args.work)
+        for kind in args.types.split(","):
+            path = quantized(f16, kind, args.llama_cpp)
+            try:
+                ours, ours_error = pagecli_perplexity(path, args.text, args.threads)
+                theirs, theirs_error = llama_perplexity(path, args.text, args.llama_cpp, args.threads)
+            except subprocess.CalledProcessError as exc:
+                said = [line for line in (exc.stderr or "").splitlines() if "error" in line.lower()][:1]
+                print(f"{arch:10} {kind:5} failed: {Path(exc.cmd[0]).name}: {said[0] if said else exc}", flush=True)
+                continue
+            reference = transformers_perplexity(path, args.text, args.threads)
+            within = abs(ours - theirs) <= max(ours_error, theirs_error)
+            print(f"{arch:10} {kind:5} {ours:>12.4f} +/- {ours_error:<7.3g} {theirs:>12.4f} +/- {theirs_error:<7.3g} "
+                  f"{ours / theirs - 1:>+8.2%} {'yes' if within else 'NO':>14} {reference:>13.4f} "
+                  f"{ours / reference - 1:>+14.4%} {theirs / reference - 1:>+16.4%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
