@@ -87,7 +87,7 @@ class ModelRunner:
             positions=host_tensor(positions, torch.int64, device),
             meta=meta,
             sample_indices=host_tensor(sample_indices, torch.int64, device),
-            lora=None if self.lora_slots is None and not any(item.seq.lora for item in scheduled) else
+            lora=None if self.lora_slots is None and all(item.seq.lora is None for item in scheduled) else
             LoraBatch.from_rows(((item.seq.lora, item.seq.sampling.lora_scale, item.num_new_tokens)
                                  for item in scheduled), self.lora_slots, device),
         )
