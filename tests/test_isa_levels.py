@@ -102,3 +102,12 @@ def test_the_pages_packed_weights_get_are_said_in_words(tmp_path, monkeypatch, s
     else:
         monkeypatch.setenv(native.HUGE_PAGES_VAR, env)
     assert native.weight_pages().startswith(expected)
+
+
+def test_every_source_and_header_of_the_kernels_is_part_of_the_build_key():
+    # a header left out (panel_i16.h was) lets an edit to it load the last build's kernels unchanged
+    from pagecli import native
+
+    folder = native._HERE
+    assert {p.name for p in folder.glob("*.cpp")} == {p.name for p in native._SOURCES}
+    assert {p.name for p in folder.glob("*.h")} == {p.name for p in native._HEADERS}

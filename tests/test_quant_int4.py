@@ -145,6 +145,19 @@ def test_an_int4_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features,
     assert torch.equal(layer.forward(x[:12].view(3, 4, in_features)), batch[:12].view(3, 4, out_features))
 
 
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 3072), (1536, 576), (101, 40)])
+def test_each_row_of_a_few_row_int4_product_equals_that_row_alone(ops, in_features, out_features):
+    # the rows of a speculative checking step (1 + K drafts, K up to 8), on float32 rows as float32 models
+    # run them: every register tile shape (1-4 rows, one or two panels, and their remainders)
+    (q, scale, minimum, b), _ = int4_weights(in_features, out_features, True)
+    layer = ops.PackedLinearInt4(q, scale, minimum, b, int16_activations=True)
+    x = activations(9, in_features, torch.float32)
+    alone = torch.cat([layer.forward(x[m : m + 1]) for m in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(layer.forward(x[:rows]), alone[:rows]), f"{rows} rows"
+        assert torch.equal(layer.forward(x[9 - rows :]), alone[9 - rows :]), f"last {rows} rows"
+
+
 def test_the_int4_kernel_refuses_what_it_cannot_take(ops):
     (q, scale, minimum, b), _ = int4_weights(64, 48, True)
     with pytest.raises(RuntimeError, match="uint8 \\[N, K\\]"):

@@ -182,6 +182,20 @@ def test_an_int8_row_gets_the_same_bits_alone_and_in_any_batch(ops, in_features,
     assert torch.equal(layer.forward(x[:12].view(3, 4, in_features)), batch[:12].view(3, 4, out_features))
 
 
+@pytest.mark.parametrize("q8_0", [False, True])
+def test_each_row_of_a_few_row_int8_product_equals_that_row_alone(ops, q8_0):
+    # the rows of a speculative checking step (1 + K drafts, K up to 8) on float32 rows, through the output
+    # layer's kernel: bf16 scales per 64, or a GGUF Q8_0 tensor's fp16 ones per 32 (the embedded model's)
+    x, q, scale, b = int8_case(9, 576, 1000, True, dtype=torch.float32)
+    if q8_0:
+        scale = scale.float().repeat_interleave(2, dim=1)[:, : -(-576 // 32)].half()
+    layer = ops.PackedLinearInt8(q, scale, b, int16_activations=True)
+    alone = torch.cat([layer.forward(x[m : m + 1]) for m in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(layer.forward(x[:rows]), alone[:rows]), f"{rows} rows"
+        assert torch.equal(layer.forward(x[9 - rows :]), alone[9 - rows :]), f"last {rows} rows"
+
+
 def test_the_int8_kernel_refuses_what_it_cannot_take(ops):
     _, q, scale, b = int8_case(1, 64, 48, True)
     with pytest.raises(RuntimeError, match="int8 \\[N, K\\]"):

@@ -34,10 +34,19 @@
 namespace pagecli {
 
 constexpr int64_t kPanelF32Cols = 16;  // columns per panel
-constexpr int64_t kPanelRowBlock = 6;  // rows of x per tile, where there are that many
 
-// Panels per tile for a tile of R rows: at most 12 accumulators, and at least 4 FMA chains.
-constexpr int panels_for(int64_t rows) { return rows >= 4 ? 1 : 2; }
+// How a kernel cuts a product into register tiles: rows of x per tile where there are that many, and
+// the most rows a tile of two panels takes (fewer rows than that get two panels, so one row still runs
+// four independent chains).
+struct PanelTiling {
+  int64_t row_block;
+  int64_t two_panel_rows;
+  constexpr int panels(int64_t rows) const { return rows <= two_panel_rows ? 2 : 1; }
+};
+
+// The float32 kernel's: at most 12 accumulators (an FMA adds into its accumulator in place), and at
+// least 4 FMA chains.
+constexpr PanelTiling kF32Tiling{6, 3};
 
 // A tile's fp32 sums (rows `stride` floats apart) -> y's first `cols` columns (rows N apart), plus the
 // bias if any, added in fp32 after them.
@@ -51,8 +60,8 @@ inline void store_tile(const float* sums, int64_t stride, int rows, const float*
 }
 
 // f(std::integral_constant<int, R>()) for a tile of R = rows rows: 1-3 where the tile has two panels,
-// 1-6 where it has one (panels_for), so each tile size is its own compiled kernel.
-template <int P, typename F>
+// 1-kMaxRows (at most 6) where it has one (PanelTiling), so each tile size is its own compiled kernel.
+template <int P, int64_t kMaxRows = 6, typename F>
 void with_tile_rows(int64_t rows, const F& f) {
   switch (rows) {
     case 1: return f(std::integral_constant<int, 1>());
@@ -60,7 +69,7 @@ void with_tile_rows(int64_t rows, const F& f) {
     case 3: return f(std::integral_constant<int, 3>());
     default: break;
   }
-  if constexpr (P == 1) {
+  if constexpr (P == 1 && kMaxRows > 3) {
     switch (rows) {
       case 4: return f(std::integral_constant<int, 4>());
       case 5: return f(std::integral_constant<int, 5>());
@@ -117,16 +126,16 @@ void tile_kernel(const Panels& w, const Tile& t) {
 #endif
 
 // The tiles of a panel product of M rows by N columns, shared out over the threads: tile(P, rows,
-// first panel, first row, columns) for every tile of `rows` rows (up to kPanelRowBlock) by P panels of 16
-// columns (two where fewer than 4 rows, so decode runs four FMA chains). Work units are (group of
+// first panel, first row, columns) for every tile of `rows` rows (up to tiling.row_block) by P panels of
+// 16 columns (two where there are at most tiling.two_panel_rows rows, so decode runs four chains). Work units are (group of
 // panels, group of row blocks), a thread's own units one run of the weights in order (as
 // gemm_bf16.cpp shares its panels). The last group may hold one panel where P is 2: a one-panel
 // tile covers it.
 template <typename TileFn>
-void for_panel_tiles(int64_t M, int64_t N, const TileFn& tile) {
+void for_panel_tiles(int64_t M, int64_t N, const TileFn& tile, PanelTiling tiling = kF32Tiling) {
   if (M <= 0) return;
-  const int64_t rows_per_block = std::min(M, kPanelRowBlock);
-  const int P = panels_for(rows_per_block);
+  const int64_t rows_per_block = std::min(M, tiling.row_block);
+  const int P = tiling.panels(rows_per_block);
   const int64_t num_panels = ceil_div(N, kPanelF32Cols), groups = ceil_div(num_panels, P);
   const int64_t row_blocks = ceil_div(M, rows_per_block);
   const RowGroups split = split_row_blocks(groups, row_blocks);

@@ -19,9 +19,10 @@
 // panel p: columns 0-7 and 8-15 as int16), scales(p, g, half) (group g's scales of 8 columns, read
 // once for all the tile's rows) and fold(scales, isum, d, gsum, acc) (a row's int32 sums of the group
 // -> its fp32 accumulator; d its scale of the group's 64-block, gsum its sum of xq over the
-// 32-group). Register tile: R rows by P panels (panel_f32.h's for_panel_tiles), 2 R P int32 sums (at
-// most 12 ymm), the fp32 totals in memory between groups (12 more would not fit). Each output
-// adds its groups in order whatever the tile, so a row gets the same bits alone or in any batch.
+// 32-group). Register tile: R rows by P panels (panel_f32.h's for_panel_tiles; kI16Tiling: 1-3 rows by
+// one panel), 2 R P int32 sums, the fp32 totals in memory between groups. Each output adds its groups in order
+// whatever the tile, and a group's integer sums are exact, so a row gets the same bits alone or in any
+// batch and any tiling.
 
 #pragma once
 
@@ -109,6 +110,16 @@ inline void round_rows16(const float* x, int64_t M, int64_t K, const Rows16& out
 
 namespace panel_i16 {
 
+// Tiles of at most 3 rows by one panel. One panel at a time even for one row: a decode step's weights
+// come from memory, not cache, and a tile then reads one run of consecutive bytes; one row by two panels
+// read side by side (panel_f32.h's float32 tiling) took 1.8 times as long over the embedded model's 120
+// layer products (8 against 4.4 ms a token, AVX2, 1 thread) and 2.2 times over its output layer, though
+// it ran a little faster with the weights in cache. And 3 rows: vpmaddwd writes a temporary that a
+// vpaddd then adds (no accumulate in place as an FMA has), so the 2 R sums, the 2 widened weight vectors,
+// the broadcasts and the temporaries must fit the 16 ymm registers; at 4 or more rows GCC kept sums on
+// the stack (a load and a store each per k pair), and 4 rows took twice as long as 3.
+constexpr PanelTiling kI16Tiling{3, 0};
+
 struct Tile {
   int64_t panel;        // the tile's first panel
   const int16_t* xq;    // the tile's first row's xq, rows Kp apart
@@ -182,12 +193,9 @@ void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, 
     const int64_t c0 = panel * kPanelF32Cols;
     const Tile t{panel, rows.xq + m0 * Kp, rows.d + m0 * (Kp / kAct16Block), rows.gsum + m0 * (Kp / kAct16Group),
                  bias ? bias + c0 : nullptr, y + m0 * N + c0, Kp, N, cols};
-    if (P == 2) {
-      with_tile_rows<2>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
-    } else {
-      with_tile_rows<1>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
-    }
-  });
+    TORCH_CHECK(P == 1 && n_rows <= kI16Tiling.row_block, "panel product: no int16 tile of ", n_rows, " rows by ", P, " panels");
+    with_tile_rows<1, kI16Tiling.row_block>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
+  }, kI16Tiling);
 }
 #endif
 
