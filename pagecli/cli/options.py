@@ -111,6 +111,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                             "recently used idle one making room.", metavar="N")),
     Flag("max_lora_rank", "max_lora_rank", Optional[int], _opt(
         "--max-lora-rank", help="Refuse adapters of a higher rank (default 64).", metavar="R")),
+    Flag("merge_lora", "merge_lora", bool, _opt(
+        "--merge-lora", help="Merge the one --lora adapter into the weights at load: every request runs it at the "
+                             "base model's speed (a single-adapter run; needs float weights: --quantize none, "
+                             "int8 or int4, not a GGUF file's blocks)."), value=False),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),
