@@ -104,3 +104,49 @@ def test_decode_steps_with_adapter_rows_run_in_the_one_call_step(two_adapters, m
     assert {name: tuple(tokens[str(name)]) for name in sampling} == {k: tuple(v) for k, v in alone.items()}
     assert any(sorted(set(rows.tolist())) == [-1, 0, 1] for rows in calls), "a mixed step ran in one call"
     assert len(set(map(tuple, alone.values()))) == 3, "each adapter changes the output"
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 12])  # up to 8 rows: one team (DecodeStep::forward_team); 12: call by call
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_the_one_call_step_with_adapter_rows_matches_the_python_layer_loop_bit_for_bit(two_adapters, rows, count,
+                                                                                       quantize):
+    from pagecli.attention.metadata import AttentionMetadata
+    from pagecli.models.lora_batch import LoraBatch
+
+    base, adapters = two_adapters
+    config = EngineConfig(dtype="float32", disk_cache=False, block_size=4, num_blocks=128, quantize=quantize,
+                          loras=tuple((n, str(p)) for n, p in adapters.items()))
+    with threads(count), Engine(str(base), config) as engine:
+        model, backend, runner = engine.loaded.model, engine.backend, engine.runner
+        if model.decode_step is None:
+            pytest.skip("this plan has no one-call decode step")
+        loaded = [engine.adapters.get(name, set()) for name in adapters]
+        assert engine.adapters.slots.native is not None
+        gen = torch.Generator().manual_seed(rows * 10 + count)
+        caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
+        seq_lens = [5 + 3 * i for i in range(rows)]
+        tables = [list(range(8 * i, 8 * i + -(-n // 4))) for i, n in enumerate(seq_lens)]
+        slots = [t[(n - 1) // 4] * 4 + (n - 1) % 4 for t, n in zip(tables, seq_lens)]
+        meta = AttentionMetadata.build([1] * rows, seq_lens, tables, slots, num_decode_seqs=rows)
+        ids = torch.randint(0, model.spec.vocab_size, (rows,), generator=gen)
+        positions = torch.tensor([n - 1 for n in seq_lens])
+        # rows: adapter a at scale 1, the base, adapter b at 0.5, a again (a run of its own)
+        row_adapters = [[loaded[0], None, loaded[1], loaded[0]][i % 4] for i in range(rows)]
+        lora = LoraBatch.from_rows([(a, 0.5 if a is loaded[1] else 1.0, 1) for a in row_adapters],
+                                   engine.adapters.slots)
+        assert lora is not None and lora.native is not None
+
+        def run(cache):
+            with torch.inference_mode():
+                return model(ids, positions, cache, meta, backend, lora)
+
+        cpp_cache, python_cache = caches.clone(), caches.clone()
+        from_cpp = run(cpp_cache)
+        step, model.decode_step = model.decode_step, None
+        try:
+            from_python = run(python_cache)
+        finally:
+            model.decode_step = step
+        assert torch.equal(from_cpp, from_python)
+        assert torch.equal(cpp_cache, python_cache)

@@ -103,7 +103,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
     Flag("lora", "loras", Optional[list[str]], _opt(
-        "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder); repeatable. "
+        "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder, or a GGUF LoRA "
+                       "file from llama.cpp's convert_lora_to_gguf.py); repeatable. "
                        "Requests pick one by name (JSONL \"lora\", the API's \"model\", chat's /lora NAME).",
         metavar="NAME=PATH"), when_given=lambda pairs: lora_pairs(pairs) or None),
     Flag("max_loras", "max_loras", Optional[int], _opt(

@@ -1,11 +1,17 @@
-// lora_add_ (lora_add.h): a step's low-rank adds, the down products per row, then the up products by
-// column tiles over runs of rows that share an adapter (each adapter's b read once per tile).
+// lora_add_ (lora_add.h): a step's low-rank adds, the down products per row (four of an adapter's A rows
+// against one read of x), then the up products by column tiles over runs of rows that share an adapter (each
+// adapter's b tile read from memory once per run, each row's outputs held in registers over the rank).
 
 #include "lora_add.h"
 
 #include "work_share.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace pagecli {
@@ -13,18 +19,76 @@ namespace {
 
 constexpr int64_t kTile = 64;  // output columns per unit of the up products
 
-// sum_k x[k] * a[k] in 16 lanes (k in order within each lane), then the lanes in order: one fixed order.
-float dot(const float* x, const float* a, int64_t n) {
-  float lane[16] = {0};
+#if defined(__AVX2__) && defined(__FMA__)
+// sum_k x[k] * a_j[k] for N rows a_j at once (x read once for all): per output 16 lanes, k in order within each
+// lane (fused multiply-adds), then the lanes in order. Every output's sum runs in this one order whatever N is.
+template <int N>
+void dots(const float* x, const float* const* a, int64_t n, float* out) {
+  __m256 lo[N], hi[N];
+  for (int j = 0; j < N; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    for (int l = 0; l < 16; ++l) lane[l] += x[k + l] * a[k + l];
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int j = 0; j < N; ++j) {
+      lo[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(a[j] + k), lo[j]);
+      hi[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(a[j] + k + 8), hi[j]);
+    }
   }
-  for (int l = 0; k < n; ++k, ++l) lane[l] += x[k] * a[k];
-  float sum = 0.0f;
-  for (int l = 0; l < 16; ++l) sum += lane[l];
-  return sum;
+  for (int j = 0; j < N; ++j) {
+    alignas(32) float lane[16];
+    _mm256_store_ps(lane, lo[j]);
+    _mm256_store_ps(lane + 8, hi[j]);
+    for (int64_t t = k, l = 0; t < n; ++t, ++l) lane[l] = std::fma(x[t], a[j][t], lane[l]);
+    float sum = 0.0f;
+    for (int l = 0; l < 16; ++l) sum += lane[l];
+    out[j] = sum;
+  }
 }
+
+// o[c] += sum_j d[j] * b[j * width + c] for c < n, j ascending (fused), the o values held in registers.
+void axpys(float* o, const float* d, const float* b, int64_t rank, int64_t width, int64_t n) {
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    __m256 acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(o + c + 8 * i);
+    for (int64_t j = 0; j < rank; ++j) {
+      const __m256 dj = _mm256_set1_ps(d[j]);
+      const float* bj = b + j * width + c;
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(dj, _mm256_loadu_ps(bj + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + c + 8 * i, acc[i]);
+  }
+  for (; c + 8 <= n; c += 8) {
+    __m256 acc = _mm256_loadu_ps(o + c);
+    for (int64_t j = 0; j < rank; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_loadu_ps(b + j * width + c), acc);
+    _mm256_storeu_ps(o + c, acc);
+  }
+  for (; c < n; ++c) {
+    float acc = o[c];
+    for (int64_t j = 0; j < rank; ++j) acc = std::fma(d[j], b[j * width + c], acc);
+    o[c] = acc;
+  }
+}
+#else
+template <int N>
+void dots(const float* x, const float* const* a, int64_t n, float* out) {
+  for (int j = 0; j < N; ++j) {
+    float lane[16] = {0};
+    for (int64_t k = 0; k < n; ++k) lane[k % 16] = std::fma(x[k], a[j][k], lane[k % 16]);
+    float sum = 0.0f;
+    for (int l = 0; l < 16; ++l) sum += lane[l];
+    out[j] = sum;
+  }
+}
+
+void axpys(float* o, const float* d, const float* b, int64_t rank, int64_t width, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    float acc = o[c];
+    for (int64_t j = 0; j < rank; ++j) acc = std::fma(d[j], b[j * width + c], acc);
+    o[c] = acc;
+  }
+}
+#endif
 
 // Scratch for the rows' down products: the team's shared memory inside a DecodeStep team, else our own.
 float* down_scratch(int64_t floats, std::vector<float>& own) {
@@ -64,7 +128,18 @@ void lora_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& 
     for (int64_t r; (r = cursor.next()) >= 0;) {
       if (slot[r] < 0) continue;
       const float* ar = ap + slot[r] * rank * in;
-      for (int64_t j = 0; j < rank; ++j) down[r * rank + j] = scale[r] * dot(xp + r * x_stride, ar + j * in, in);
+      const float* xr = xp + r * x_stride;
+      float* dr = down + r * rank;
+      int64_t j = 0;
+      for (; j + 4 <= rank; j += 4) {
+        const float* rows4[4] = {ar + j * in, ar + (j + 1) * in, ar + (j + 2) * in, ar + (j + 3) * in};
+        dots<4>(xr, rows4, in, dr + j);
+      }
+      for (; j < rank; ++j) {
+        const float* row = ar + j * in;
+        dots<1>(xr, &row, in, dr + j);
+      }
+      for (j = 0; j < rank; ++j) dr[j] *= scale[r];
     }
   });
   const int64_t tiles = (width + kTile - 1) / kTile;
@@ -76,14 +151,7 @@ void lora_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& 
         while (end < rows && slot[end] == slot[first]) ++end;
         if (slot[first] >= 0) {
           const float* bs = bp + slot[first] * rank * width + c0;
-          for (int64_t j = 0; j < rank; ++j) {
-            const float* bj = bs + j * width;
-            for (int64_t r = first; r < end; ++r) {
-              const float d = down[r * rank + j];
-              float* o = op + r * out_stride + c0;
-              for (int64_t c = 0; c < n; ++c) o[c] += d * bj[c];
-            }
-          }
+          for (int64_t r = first; r < end; ++r) axpys(op + r * out_stride + c0, down + r * rank, bs, rank, width, n);
         }
         first = end;
       }
