@@ -34,8 +34,8 @@ def test_the_start_up_line_names_each_adapters_bytes(tiny_llama, adapters):
     line = load_summary(e.stats())
     for name, folder in adapters.items():
         nbytes = adapter_bytes(inspect_adapter(name, folder, spec, 64), spec, torch.float32)
-        assert f"{name} {nbytes / (1 << 20):,.1f} MiB" in line
-    assert "LoRA adapters up to" in line
+        assert f" {name} {nbytes / (1 << 20):,.1f} MiB," in line
+    assert "LoRA adapters small" in line and "MiB in memory (loaded on first use" in line
 
 
 def test_the_kv_pool_is_the_same_size_whatever_the_adapters(tiny_llama, adapters):

@@ -29,9 +29,9 @@ def _adapters(stats: EngineStats) -> str:
     mib = 1 << 20
     text = f"; LoRA adapter {stats.merged_lora} merged into the weights" if stats.merged_lora else ""
     if stats.adapter_budget_bytes:
-        each = ", ".join(f"{name} {nbytes / mib:,.1f} MiB" for name, nbytes in stats.adapter_sizes)
-        text += (f"; LoRA adapters up to {stats.adapter_budget_bytes / mib:,.1f} MiB (loaded on first use, each "
-                 f"held twice: its pairs and their batched copy{': ' + each if each else ''})")
+        each = "".join(f" {name} {nbytes / mib:,.1f} MiB," for name, nbytes in stats.adapter_sizes)
+        text += (f"; LoRA adapters{each} up to {stats.adapter_budget_bytes / mib:,.1f} MiB in memory (loaded on "
+                 "first use; each twice: its pairs and their batched copy)")
     return text
 
 
