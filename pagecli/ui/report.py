@@ -71,7 +71,8 @@ def _table(title: str, *columns: str, notes: bool = False) -> Table:
 
 
 def memory_view(report: MemoryReport, model: ModelKV | None,
-                other: tuple[str, MemoryReport] | None = None, adapters: Sequence[AdapterMemory] = ()) -> RenderableType:
+                other: tuple[str, MemoryReport] | None = None,
+                adapters: Sequence[AdapterMemory] = ()) -> RenderableType:
     """`other`: the same requests with the KV cache in another format (--kv-dtype): bytes columns beside;
     adapters: --lora's adapters' bytes."""
     parts: list[RenderableType] = [_memory_heading(report, model)]
