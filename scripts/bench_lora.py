@@ -5,11 +5,11 @@ Three ways to run P prompts x T output tokens (greedy, EOS ignored), prefix cach
 every engine on --threads threads:
 - base: every prompt on the base model (pagecli's base fast paths, the native one-call decode step included);
 - mixed: the same batch, prompt i on adapter i mod (A + 1) (the last share on the base), one engine;
-- merged: each adapter merged into the weights (PEFT's merge_and_unload, saved as its own folder) and its share
-  of the prompts run on its own engine, the base's share on the base, one after another; engines are built
-  before the clock starts, so its figure is decode and prefill only, no loading.
+- merged: each adapter merged into the weights (`--merge-lora`, its own engine) and its share of the prompts
+  run there, the base's share on the base, one after another; engines are built before the clock starts, so
+  its figure is decode and prefill only, no loading.
 Adapters are random (PEFT's layout, B not zero) of rank --rank over q/k/v/o and the MLP. --quantize applies to
-base and mixed (merged weights are floats: a merged folder has no GGUF blocks, so it runs as `none`). Output
+base and mixed (merging needs float weights: the merged engines and the base's share there run `none`). Output
 tokens/s is output tokens over the wall time of the whole batch, after a warm-up; --reps R alternates the three
 R times and prints medians with their ranges. Usage:
     .venv/bin/python scripts/bench_lora.py [--threads 2] [--prompts 64] [--adapters 8] [--rank 8]
@@ -60,18 +60,6 @@ def run_batch(engine: Engine, jobs: list[tuple[list[int], str | None]], max_toke
     return sum(len(ev.token_ids) for ev in engine.stream())
 
 
-def merged_folder(base: Path, adapter: Path, out: Path) -> Path:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
-    model.merge_and_unload().save_pretrained(out)
-    for file in base.iterdir():
-        if file.is_file() and not file.name.endswith(".safetensors") and not (out / file.name).exists():
-            shutil.copy(file, out / file.name)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -94,8 +82,8 @@ def main() -> None:
     mixed = Engine(config=EngineConfig(**common, quantize=args.quantize, max_loras=args.adapters,
                                        loras=tuple((n, str(p)) for n, p in adapters.items())))
     plain = Engine(config=EngineConfig(**common, quantize="none"))
-    merged = {name: Engine(model=str(merged_folder(base_folder, folder, work / f"merged-{name}")),
-                           config=EngineConfig(**common, quantize="none")) for name, folder in adapters.items()}
+    merged = {name: Engine(config=EngineConfig(**common, quantize="none", loras=((name, str(folder)),),
+                                               merge_lora=True)) for name, folder in adapters.items()}
     choices = [*names, None]
 
     def jobs(round_index: int) -> list[tuple[list[int], str | None]]:

@@ -55,7 +55,7 @@ def test_generate_runs_each_line_on_its_adapter(tiny_llama, adapters, expected, 
     assert records["base"]["text"] == expected[None].text
     assert "No LoRA adapter named 'nope'" in records["unknown"]["error"]
     err = capsys.readouterr().err
-    assert "LoRA adapters: r4 1 requests" in err and "LoRA adapters up to" in err
+    assert "LoRA adapters: r4 1 requests" in err and "MiB in memory (loaded on first use" in err
 
 
 @pytest.mark.parametrize(("value", "message"), [("nopath", "--lora takes NAME=PATH"),

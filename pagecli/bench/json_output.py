@@ -7,13 +7,14 @@ version, fields are only ever added; a rename or a change of meaning bumps the v
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pagecli import __version__
 from pagecli.bench.compare_hf import Comparison
 from pagecli.bench.memory import MemoryReport
-from pagecli.bench.model_info import ModelKV
+from pagecli.bench.model_info import AdapterMemory, ModelKV
 from pagecli.bench.summary import PeakMean, RunSummary, RunTrace
 from pagecli.errors import PagecliError
 
@@ -26,9 +27,11 @@ def _round(value: float | None, digits: int = 6) -> float | None:
 
 
 def memory_document(report: MemoryReport, model: ModelKV | None,
-                    other: tuple[str, MemoryReport] | None = None) -> dict[str, Any]:
+                    other: tuple[str, MemoryReport] | None = None, adapters: Sequence[AdapterMemory] = ()
+                    ) -> dict[str, Any]:
     c = report.contiguous
     return {
+        "adapters": [{"name": a.name, "rank": a.rank, "bytes": a.nbytes} for a in adapters],
         "schema": MEMORY_SCHEMA,
         "pagecli_version": __version__,
         "inputs": {

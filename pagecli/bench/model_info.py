@@ -62,6 +62,31 @@ def model_kv(model: str, dtype: str = "auto", device: str = "auto") -> ModelKV:
     )
 
 
+@dataclass(frozen=True)
+class AdapterMemory:
+    """One LoRA adapter's bytes over a model, as the engine would hold it."""
+
+    name: str
+    rank: int
+    nbytes: int  # its pairs in the model's dtype (what the start-up line counts per adapter)
+
+
+def adapter_memory(model: str, pairs: tuple[tuple[str, str], ...], dtype: str = "auto",
+                   device: str = "auto") -> tuple[AdapterMemory, ...]:
+    """Each adapter's bytes over MODEL in the dtype the engine would use, from the adapter's config and
+    safetensors header (checked against the model's shapes); no weights are read."""
+    from pagecli.config.settings import DEFAULT_MAX_LORA_RANK
+    from pagecli.models.loader import resolve_device, resolve_dtype
+    from pagecli.models.lora import adapter_bytes, inspect_adapter
+    from pagecli.models.spec import DecoderSpec
+
+    hf_config, source = _hf_config(model)
+    spec = DecoderSpec.from_hf_config(hf_config, source)
+    torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
+    infos = [inspect_adapter(name, path, spec, max(DEFAULT_MAX_LORA_RANK, 1 << 16)) for name, path in pairs]
+    return tuple(AdapterMemory(info.name, info.rank, adapter_bytes(info, spec, torch_dtype)) for info in infos)
+
+
 def _hf_config(model: str) -> tuple[Any, str]:
     """The model's config and where it was read (named in errors about its fields)."""
     from pagecli.models import source

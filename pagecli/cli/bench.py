@@ -70,6 +70,10 @@ def memory(
                         "sharing against per-candidate copies.", metavar="N")] = None,
     fork_tokens: Annotated[int, typer.Option(
         "--fork-tokens", help="New tokens per candidate or beam with --forks.", metavar="T")] = 64,
+    lora: Annotated[Optional[list[str]], typer.Option(
+        "--lora", help="With --model, a LoRA adapter as NAME=PATH (repeatable): its bytes in memory, beside the KV "
+                       "figures (adapters sit outside the KV pool, whose size they do not change).",
+        metavar="NAME=PATH")] = None,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
 ) -> None:
@@ -103,8 +107,9 @@ def memory(
             raise PagecliError("--kv-dtype needs --model (the format's bytes depend on the model's head size).")
         other = (kv_dtype, memory_report(drawn, max_len, _block_sizes(block_size), shared_prefix,
                                          model_kv.kv_bytes_per_token_as(kv_dtype), budget_bytes))
-    print_view(memory_view(report, model_kv, other), _console(json_path))
-    document = {**memory_document(report, model_kv, other), "forks": []}
+    adapters = _adapter_memory(model, lora, dtype)
+    print_view(memory_view(report, model_kv, other, adapters), _console(json_path))
+    document = {**memory_document(report, model_kv, other, adapters), "forks": []}
     if forks is not None:
         figures = _measure_forks(model, report.lengths, forks, fork_tokens, _block_sizes(block_size)[0],
                                  _console(json_path))
@@ -132,6 +137,18 @@ def _measure_forks(model: str | None, lengths: tuple[int, ...], width: int, toke
     figures = [measure_sharing(engine, prompts, scenario, width, tokens) for scenario in SCENARIOS]
     print_view(sharing_view(figures, block_size), console)
     return figures
+
+
+def _adapter_memory(model: str | None, lora: list[str] | None, dtype: str) -> tuple[Any, ...]:
+    """--lora's adapters' bytes over --model (none without --lora)."""
+    if not lora:
+        return ()
+    if not model:
+        raise PagecliError("--lora needs --model (an adapter's bytes depend on the model's shapes and dtype).")
+    from pagecli.bench.model_info import adapter_memory
+    from pagecli.cli.options import lora_pairs
+
+    return adapter_memory(model, lora_pairs(lora), dtype)
 
 
 def _check_memory_flags(dtype: str, max_len: int | None) -> None:

@@ -103,7 +103,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
     Flag("lora", "loras", Optional[list[str]], _opt(
-        "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder); repeatable. "
+        "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder, or a GGUF LoRA "
+                       "file from llama.cpp's convert_lora_to_gguf.py); repeatable. "
                        "Requests pick one by name (JSONL \"lora\", the API's \"model\", chat's /lora NAME).",
         metavar="NAME=PATH"), when_given=lambda pairs: lora_pairs(pairs) or None),
     Flag("max_loras", "max_loras", Optional[int], _opt(
@@ -111,6 +112,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                             "recently used idle one making room.", metavar="N")),
     Flag("max_lora_rank", "max_lora_rank", Optional[int], _opt(
         "--max-lora-rank", help="Refuse adapters of a higher rank (default 64).", metavar="R")),
+    Flag("merge_lora", "merge_lora", bool, _opt(
+        "--merge-lora", help="Merge the one --lora adapter into the weights at load: every request runs it at the "
+                             "base model's speed (a single-adapter run; needs float weights: --quantize none, "
+                             "int8 or int4, not a GGUF file's blocks)."), value=False),
     Flag("cache_prefix", "disk_cache_all_prompts", bool, _opt(
         "--cache-prefix", help="Write every prompt's full blocks to the disk prefix store, not only blocks "
                                "shared by two or more requests."), value=False),

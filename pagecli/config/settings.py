@@ -99,6 +99,9 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()
     max_loras: int = DEFAULT_MAX_LORAS  # adapters in memory at once: least recently used ones make room
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    # Merge the one adapter of `loras` into the weights at load: every request runs it, at the speed of the
+    # base alone (a single-adapter run); needs the base's float weights (not a GGUF file's blocks).
+    merge_lora: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.loras, dict):
@@ -148,6 +151,9 @@ class EngineConfig:
         _require(duplicate is None, f"LoRA adapter name '{duplicate}' is given twice; give each adapter its own name.")
         _require(self.max_loras >= 1, f"max_loras must be at least 1 (got {self.max_loras}).")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be at least 1 (got {self.max_lora_rank}).")
+        _require(not self.merge_lora or len(self.loras) == 1,
+                 f"--merge-lora merges one adapter into the weights; give exactly one --lora NAME=PATH (got "
+                 f"{len(self.loras)}), or leave --merge-lora out to run several adapters per request.")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pagecli.attention import select_backend
 from pagecli.kv_format import resolve_kv_format
 from pagecli.config.settings import DEFAULT_CONTEXT_CAP, EngineConfig, SamplingParams
 from pagecli.config.structured import StructuredSpec
-from pagecli.engine.adapters import AdapterRegistry
+from pagecli.engine.adapters import AdapterRegistry, adapter_fingerprint
 from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
@@ -46,6 +46,7 @@ from pagecli.models.tools import template_takes_tools, tools_in_system_message
 from pagecli.errors import PagecliError, RequestError, request_error_of
 from pagecli.native.interface import CpuOps
 from pagecli.models.fingerprint import kv_fingerprint_name, model_fingerprint
+from pagecli.models.lora import LoraAdapter, inspect_adapter, load_adapter
 from pagecli.models.loader import LoadedModel, load_hf_config, load_model, resolve_device
 from pagecli.models.spec import DecoderSpec
 from pagecli.models.tokenizer import token_ids_of
@@ -122,9 +123,11 @@ class Engine:
         hf_config = load_hf_config(folder) if loaded is None else loaded.hf_config
         # How every weight is kept and what runs it: one decision (models/weight_plan.py), applied as layers load.
         self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops, hf_config)
-        placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory)
+        spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json") if loaded is None else loaded.spec
+        self.merged_lora = self._adapter_to_merge(spec) if self.config.merge_lora else None
+        placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory,
+                              merge=self.merged_lora)
         if loaded is None:
-            spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
             loaded = load_model(folder, str(self.plan.dtype).removeprefix("torch."), self.config.device,
                                 max_positions=self._context_len(spec), layer_ready=placer.layer_ready,
                                 layer_provided=placer.layer_provided, hf_config=hf_config)
@@ -148,9 +151,12 @@ class Engine:
             loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.quantize, self.kv_format),
             self.config.block_size,
         )
+        if self.merged_lora is not None:  # the weights are the adapter's: its prefixes are not the base's
+            self.fingerprint = adapter_fingerprint(self.fingerprint, self.merged_lora.info.content_hash)
         # LoRA adapters: checked now (a mismatched one stops here), loaded on first use; not in the pool's budget.
-        self.adapters = AdapterRegistry(self.config.loras, spec, loaded.dtype, loaded.device, self.config.max_loras,
-                                        self.config.max_lora_rank, self.fingerprint)
+        per_request = () if self.merged_lora is not None else self.config.loras
+        self.adapters = AdapterRegistry(per_request, spec, loaded.dtype, loaded.device, self.config.max_loras,
+                                        self.config.max_lora_rank, self.fingerprint, cpu_ops)
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         if loaded.device.type == "cpu":
@@ -188,6 +194,17 @@ class Engine:
             self._warnings.append(f"pagecli's CPU kernels are unavailable: {native.unavailable_reason()}; "
                                   "using the slower PyTorch path.")
         return ops
+
+    def _adapter_to_merge(self, spec: DecoderSpec) -> LoraAdapter:
+        """--merge-lora's adapter, checked and loaded in float32; one sentence where the weights cannot take it."""
+        if self.plan.quantize == "gguf":
+            raise PagecliError("--merge-lora adds the adapter into the base model's float weights, and this run keeps "
+                               "the GGUF file's quantized blocks (--quantize auto or gguf): add --quantize none (or "
+                               "int8/int4, quantized after merging), or leave --merge-lora out to run the adapter "
+                               "beside the blocks.")
+        [(name, path)] = self.config.loras
+        info = inspect_adapter(name, path, spec, self.config.max_lora_rank)
+        return load_adapter(info, spec, torch.float32, torch.device("cpu"))
 
     def _use_threads(self, threads: int) -> None:
         """Set torch's CPU threads; more than the cores this process may run on is allowed, with a warning."""
@@ -309,7 +326,11 @@ class Engine:
         if request_id in self._requests:
             raise PagecliError(f"Request id '{request_id}' is already in use.")
         seq = Sequence(request_id, token_ids, sampling, self.max_model_len)
-        if sampling.lora is not None:
+        if sampling.lora is not None and self.merged_lora is not None and sampling.lora == self.merged_lora.name:
+            if sampling.lora_scale != 1:
+                raise RequestError(f"LoRA adapter '{sampling.lora}' is merged into the weights (--merge-lora) at scale "
+                                   "1; another scale needs the adapter run beside the weights (no --merge-lora).")
+        elif sampling.lora is not None:
             seq.lora = self.adapters.get(sampling.lora, self._adapters_in_use())  # RequestError if it cannot run
             seq.hash_root = self.adapters.root_hash(sampling.lora)
             self._requests_by_adapter[sampling.lora] = self._requests_by_adapter.get(sampling.lora, 0) + 1
@@ -607,6 +628,8 @@ class Engine:
             adapter_bytes=self.adapters.loaded_bytes, adapter_budget_bytes=self.adapters.budget_bytes,
             adapter_requests=tuple(sorted(self._requests_by_adapter.items())),
             adapter_blocks=tuple(sorted(self.kv.blocks_by_adapter().items())),
+            adapter_sizes=tuple((a.name, a.nbytes) for a in self.adapters.summaries()),
+            merged_lora="" if self.merged_lora is None else self.merged_lora.name,
             **(self.speculator.counts() if self.speculator else {}),
         )
 

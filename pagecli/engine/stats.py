@@ -68,6 +68,8 @@ class EngineStats:
     adapter_budget_bytes: int = 0
     adapter_requests: tuple[tuple[str, int], ...] = ()
     adapter_blocks: tuple[tuple[str, int], ...] = ()
+    adapter_sizes: tuple[tuple[str, int], ...] = ()  # (name, bytes of its pairs once loaded) per --lora adapter
+    merged_lora: str = ""  # the adapter merged into the weights (--merge-lora), "" for none
 
     @property
     def kv_bytes_used(self) -> int:
@@ -100,7 +102,7 @@ class EngineStats:
         names = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in names}
         values["block_states"] = None if block_map is None else tuple(_STATE_OF_LETTER[c] for c in block_map)
-        for key in ("adapter_requests", "adapter_blocks"):  # JSON gives lists of [name, count]
+        for key in ("adapter_requests", "adapter_blocks", "adapter_sizes"):  # JSON gives lists of [name, count]
             if key in values:
                 values[key] = tuple((str(name), int(count)) for name, count in values[key])
         return cls(**values)

@@ -172,8 +172,14 @@ class CausalLM(nn.Module):
         # The C++ loop stands for the torch backend with the same kernels (base-model steps of decodes or short
         # chunks: CpuAttentionBackend.one_call_rows).
         one_call_rows = getattr(backend, "one_call_rows", None)  # the compiled CPU kernels' backend has it
+        # Adapter rows run there too where the CPU kernels hold the adapters (float32 rows: LoraBatch.native).
+        one_call = lora is None or (lora.native is not None and h.dtype == torch.float32)
         rows = (one_call_rows(h, kv_caches, meta)
-                if self.decode_step is not None and lora is None and one_call_rows is not None else None)
+                if self.decode_step is not None and one_call and one_call_rows is not None else None)
+        if rows is not None and lora is not None:
+            native = lora.native
+            return self.decode_step.forward_lora(h, positions, kv_caches, rows[0], rows[1], meta.slot_mapping,
+                                                 native.stacks, native.row_slot, native.row_scale)
         if rows is not None:
             return self.decode_step.forward(h, positions, kv_caches, rows[0], rows[1], meta.slot_mapping)
         delta = None  # what the last attention or MLP adds to h

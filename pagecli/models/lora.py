@@ -8,6 +8,7 @@ runs q/k/v as one qkv_proj and gate/up as one gate_up_proj, so the pairs of one 
 A's rows one target after another [sum r, in], B with each target's rows at that target's output rows and
 zero elsewhere [out, sum r], the scaling folded into B.
 
+A GGUF LoRA file (llama.cpp's) is first written out as the PEFT folder it stands for (models/lora_gguf.py).
 `inspect_adapter` reads only the config and the safetensors header, so a mismatched adapter is one clear
 ModelError at start-up without loading its weights; `load_adapter` loads them (on first use).
 """
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from pagecli.errors import ModelError
+from pagecli.models import lora_gguf
 from pagecli.models.spec import DecoderSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -100,7 +102,7 @@ def _read_config(folder: Path, name: str) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not folder.is_dir():
         raise ModelError(f"LoRA adapter '{name}': {folder} is not a folder; give a PEFT adapter folder "
-                         f"(with {CONFIG_FILE} and {WEIGHTS_FILE}).")
+                         f"(with {CONFIG_FILE} and {WEIGHTS_FILE}) or a GGUF LoRA file (.gguf).")
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
@@ -154,6 +156,8 @@ def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: 
     """Check a PEFT adapter folder against the base model (layers, targets, shapes, rank) from its config and
     its safetensors header; ModelError, one sentence, on the first mismatch."""
     folder = Path(folder).expanduser()
+    if lora_gguf.is_gguf_adapter(folder):  # llama.cpp's file: checked as the PEFT folder it stands for
+        folder = lora_gguf.peft_folder_for(name, folder, spec)
     config = _read_config(folder, name)
     shapes = _tensor_shapes(folder / WEIGHTS_FILE, name)
     expected = _target_shapes(spec)
@@ -203,6 +207,8 @@ def describe_folder(name: str, folder: str | Path) -> str:
     """One line on a PEFT adapter folder without a base model to check it against (`pagecli models --lora`):
     its ranks, targets, scaling and size on disk; ModelError for a folder that is not one."""
     folder = Path(folder).expanduser()
+    if lora_gguf.is_gguf_adapter(folder):
+        return lora_gguf.describe(name, folder)
     config = _read_config(folder, name)
     shapes = _tensor_shapes(folder / WEIGHTS_FILE, name)
     targets, ranks, layers = set(), set(), set()

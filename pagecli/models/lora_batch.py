@@ -6,19 +6,22 @@ adapter's rows lie together (decodes first, then prefill chunks). Short spans (d
 adapter) run together: their rows gathered into [spans, longest span, in] and multiplied by the loaded
 adapters' stacked pairs (models/lora_slots.py) in two batched products, the result added back by row index,
 so a step of many adapters costs a few operations per product, not a few per adapter. Long spans (a prompt's
-chunk) run on their adapter's own pair, on contiguous slices, with no padding. The step's LoraBatch is passed
-down the forward explicitly; no module holds per-step state.
+chunk) run on their adapter's own pair, on contiguous slices, with no padding. With pagecli's CPU kernels
+holding the stacks (AdapterSlots.native), every row instead takes its add from one kernel call per product
+(lora_add.h: rows grouped by adapter), and the one-call decode step runs adapter rows too (NativeRows). The
+step's LoraBatch is passed down the forward explicitly; no module holds per-step state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagecli.models.lora import LoraAdapter
-from pagecli.models.lora_slots import AdapterSlots
+from pagecli.models.lora_slots import PRODUCTS, AdapterSlots
 
 SHORT_SPAN_ROWS = 32  # spans of at most this many rows run batched (padded to the longest); longer ones alone
 
@@ -44,9 +47,22 @@ class ShortSpans:
 
 
 @dataclass(frozen=True)
+class NativeRows:
+    """Every row of a step for the CPU kernels' adds: its adapter's slot (-1: the base) and scale."""
+
+    stacks: Any  # AdapterSlots.native (ops.LoraStacks)
+    row_slot: torch.Tensor  # [num_tokens] int64
+    row_scale: torch.Tensor  # [num_tokens] float32
+
+
+_PRODUCT_INDEX = {product: index for index, product in enumerate(PRODUCTS)}
+
+
+@dataclass(frozen=True)
 class LoraBatch:
     spans: tuple[LoraSpan, ...]  # the long spans, each on its own adapter's pair
     short: ShortSpans | None = None
+    native: NativeRows | None = None  # set: the CPU kernels add every row (spans and short are then empty)
 
     @staticmethod
     def from_rows(rows: Iterable[tuple[LoraAdapter | None, float, int]], slots: AdapterSlots | None = None,
@@ -67,6 +83,8 @@ class LoraBatch:
             start = end
         if not spans:
             return None
+        if slots is not None and slots.native is not None and all(id(span.adapter) in slots.slot_of for span in spans):
+            return LoraBatch((), None, _native_rows(spans, start, slots, device))
         if slots is None:
             return LoraBatch(tuple(spans))
         is_short = [span.end - span.start <= SHORT_SPAN_ROWS and id(span.adapter) in slots.slot_of for span in spans]
@@ -78,6 +96,9 @@ class LoraBatch:
     def add(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[rows] += scale * (x[rows] @ A.T) @ B.T for each span whose adapter targets this product.
         x: [num_tokens, in_features], out: [num_tokens, out_features], changed in place and returned."""
+        if self.native is not None:
+            self.native.stacks.add(layer, _PRODUCT_INDEX[product], x, out, self.native.row_slot, self.native.row_scale)
+            return out
         for span in self.spans:
             pair = span.adapter.layers[layer].get(product)
             if pair is None:
@@ -94,13 +115,25 @@ class LoraBatch:
         stack = short.slots.stacks[layer].get(product)
         if stack is None:
             return
-        a, b = stack  # [slots, in, rank], [slots, rank, out]
+        a, b = stack  # [slots, rank, in], [slots, rank, out]
         if short.slot_ids is not None:
             a, b = a.index_select(0, short.slot_ids), b.index_select(0, short.slot_ids)
         gathered = x.index_select(0, short.rows).view(short.num_spans, short.longest, x.shape[1])
-        down = torch.bmm(gathered, a) * short.scales  # [spans, longest, rank]
+        down = torch.bmm(gathered, a.transpose(1, 2)) * short.scales  # [spans, longest, rank]
         delta = torch.bmm(down, b)  # [spans, longest, out]
         out.index_add_(0, short.rows, delta.view(-1, out.shape[1]))
+
+
+def _native_rows(spans: list[LoraSpan], num_tokens: int, slots: AdapterSlots,
+                 device: torch.device | None) -> NativeRows:
+    row_slot = [-1] * num_tokens
+    row_scale = [0.0] * num_tokens
+    for span in spans:
+        slot = slots.slot_of[id(span.adapter)]
+        row_slot[span.start:span.end] = [slot] * (span.end - span.start)
+        row_scale[span.start:span.end] = [span.scale] * (span.end - span.start)
+    return NativeRows(slots.native, torch.tensor(row_slot, dtype=torch.long, device=device),
+                      torch.tensor(row_scale, dtype=torch.float32, device=device))
 
 
 def _short_spans(short: list[LoraSpan], slots: AdapterSlots, device: torch.device | None) -> ShortSpans:

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagecli.models.decoder import CausalLM, DecoderLayer
 from pagecli.models.layers import GatedMLP, Linear, RMSNorm
+from pagecli.models.lora import LoraAdapter, LowRank
 from pagecli.models.quantize import Int8Reference, int8_product, quantize_int8
 from pagecli.models.quantize_int4 import Int4Reference, int4_product, quantize_int4
 from pagecli.models.weight_plan import WeightPlan
@@ -38,11 +39,13 @@ def panels_product(weight: torch.Tensor, bias: torch.Tensor | None, form: str, o
 class WeightPlacer:
     """Puts a model's weights in the forms of `plan` (module docstring). ops: the CPU kernels, None for
     PyTorch's products; progress: a sentence now and then while a long load quantizes; after_layer: called
-    once a layer's float weights are replaced (the engine returns their memory to the system there)."""
+    once a layer's float weights are replaced (the engine returns their memory to the system there); merge:
+    a LoRA adapter added into the weights (--merge-lora; the plan keeps floats, not a GGUF file's blocks)."""
 
     def __init__(self, plan: WeightPlan, ops: CpuOps | None, progress: Callable[[str], None] | None = None,
-                 after_layer: Callable[[], None] | None = None) -> None:
+                 after_layer: Callable[[], None] | None = None, merge: LoraAdapter | None = None) -> None:
         self.plan, self.ops = plan, ops
+        self.merge = merge  # a LoRA adapter merged into each layer's float weights before they take their form
         self.say = progress or (lambda message: None)
         self.after_layer = after_layer or (lambda: None)
         self._placed: set[int] = set()
@@ -84,6 +87,8 @@ class WeightPlacer:
             return
         self._placed.add(index)
         layer = model.model.layers[index]
+        if self.merge is not None:
+            merge_into_layer(layer, self.merge.layers[index])
         form = self.plan.decoder
         if form in ("float", "bf16-panels"):
             return  # kept as loaded (the packed GEMM's panels come in finish, with the output layer's)
@@ -299,6 +304,16 @@ class Q8Rows:
         q = self.weights.view(*self.weights.shape[:2], 16, 2)[panel, :, lane, :].reshape(len(flat), -1)[:, :k]
         scale = self.scales[panel, :, lane].float().repeat_interleave(32, dim=1)[:, :k]  # [n, K]
         return (q.float() * scale).to(self.dtype).view(*ids.shape, k)
+
+
+def merge_into_layer(layer: DecoderLayer, pairs: dict[str, LowRank]) -> None:
+    """W += B A (scaling folded into B) for each product the adapter targets, summed in float32 and rounded
+    once to the weight's dtype, as PEFT's merge_and_unload does."""
+    for product, pair in pairs.items():
+        linear = getattr(layer.self_attn if product in ("qkv_proj", "o_proj") else layer.mlp, product)
+        weight = linear.weight  # [out_features, in_features]
+        merged = weight.float() + pair.b.float() @ pair.a.float()
+        linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
 
 
 def _linears(module: nn.Module) -> list[Linear]:

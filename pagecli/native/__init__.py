@@ -57,6 +57,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "sampling.cpp",           # a drawn token per logits row: temperature, top-k, top-p, min-p without a sort
     "weight_memory.cpp",      # the weights decode streams, in 2 MB pages
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
+    "lora_add.cpp",           # LoRA adapters' low-rank adds over a step's rows, grouped by adapter
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
 ))

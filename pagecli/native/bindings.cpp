@@ -7,6 +7,7 @@
 #include "cpu_ops.h"
 #include "decode_step.h"
 #include "gemm_bf16.h"
+#include "lora_add.h"
 #include "quant_int4.h"
 #include "quant_int8.h"
 #include "read_probe.h"
@@ -104,5 +105,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("runs_as_team", &pagecli::DecodeStep::runs_as_team,
            "Whether a step of this many bf16 rows runs in one team (DecodeStep::forward_team)")
       .def("forward", &pagecli::DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "One decode step through every layer; returns the final norm's output");
+           "One decode step through every layer; returns the final norm's output")
+      .def("forward_lora", &pagecli::DecodeStep::forward_lora, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "forward() with LoRA adapter rows: (..., LoraStacks, row_slot int64, row_scale float32)");
+  pybind11::class_<pagecli::LoraStacks, std::shared_ptr<pagecli::LoraStacks>>(m, "LoraStacks", pybind11::module_local())
+      .def(pybind11::init<std::vector<std::vector<c10::optional<torch::Tensor>>>>())
+      .def("add", &pagecli::LoraStacks::add, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "out[rows] += the rows' adapters' low-rank product of x (layer, product 0-3, x, out, row_slot, row_scale)");
+  m.def("lora_add_", [](torch::Tensor out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                         const torch::Tensor& row_slot, const torch::Tensor& row_scale) {
+          pagecli::lora_add_(out, x, a, b, row_slot, row_scale);
+        }, "out[r] += row_scale[r] * (x[r] @ a[s].T) @ b[s], s = row_slot[r] >= 0 (lora_add.h)");
 }

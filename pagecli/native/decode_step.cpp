@@ -57,6 +57,23 @@ DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packe
 
 torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                                   torch::Tensor seq_lens, torch::Tensor slots) const {
+  return run(std::move(h), positions, kv_caches, block_tables, seq_lens, slots, nullptr);
+}
+
+torch::Tensor DecodeStep::forward_lora(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches,
+                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor slots,
+                                       std::shared_ptr<LoraStacks> lora, torch::Tensor row_slot,
+                                       torch::Tensor row_scale) const {
+  TORCH_CHECK(lora && lora->num_layers() == static_cast<int64_t>(layers_.size()),
+              "forward_lora: stacks for every layer of the model");
+  TORCH_CHECK(h.scalar_type() == at::kFloat, "forward_lora runs float32 rows");
+  const LoraRows rows{*lora, row_slot, row_scale};
+  return run(std::move(h), positions, kv_caches, block_tables, seq_lens, slots, &rows);
+}
+
+torch::Tensor DecodeStep::run(torch::Tensor h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                              const torch::Tensor& slots, const LoraRows* lora) const {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [rows, hidden] tensor");
   const bool quantized = is_quantized_kv(kv_caches.scalar_type());
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == static_cast<int64_t>(layers_.size()) &&
@@ -67,7 +84,7 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
               "slots must be contiguous int64, one per row");
   const int64_t rows = h.size(0);
   if (runs_as_team(rows) && h.scalar_type() == team_dtype_) {
-    return forward_team(h, positions, kv_caches, block_tables, seq_lens, slots);
+    return forward_team(h, positions, kv_caches, block_tables, seq_lens, slots, lora);
   }
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   c10::optional<torch::Tensor> delta;
@@ -75,6 +92,7 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
     const Layer& w = layers_[i];
     auto x = add_rms_norm(h, delta, *w[0], eps_);
     auto qkv = product(i, 0, x);
+    if (lora) lora->add(i, 0, x, qkv);
     auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
@@ -96,9 +114,13 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
     auto attn = torch::empty({rows, num_heads_, head_dim_}, h.options());
     paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale_);
     delta = product(i, 1, attn.view({rows, q_size}));
+    if (lora) lora->add(i, 1, attn.view({rows, q_size}), *delta);
     x = add_rms_norm(h, delta, *w[7], eps_);
     auto gate_up = product(i, 2, x);
-    delta = product(i, 3, silu_mul(gate_up));
+    if (lora) lora->add(i, 2, x, gate_up);
+    auto act = silu_mul(gate_up);
+    delta = product(i, 3, act);
+    if (lora) lora->add(i, 3, act, *delta);
   }
   return add_rms_norm(h, delta, final_norm_, eps_);
 }
@@ -106,7 +128,7 @@ torch::Tensor DecodeStep::forward(torch::Tensor h, torch::Tensor positions, torc
 
 torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
                                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                                       const torch::Tensor& slots) const {
+                                       const torch::Tensor& slots, const LoraRows* lora) const {
   const int64_t rows = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t inter = packed_[0][2]->out_features() / 2;
@@ -140,6 +162,7 @@ torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& po
       const PackedLayer& p = packed_[i];
       on_rank0([&] { add_rms_norm_into(h, i == 0 ? nullptr : &delta, *w[0], x, eps_); });
       p[0]->forward_into(x, qkv);
+      if (lora) lora->add(i, 0, x, qkv);  // every member: the adds share their work like a product's
       on_rank0([&] {
         if (w[3].has_value()) {  // Qwen3's q/k norms, as the Python layer computes them, into qkv
           q.copy_(rms_norm_like_torch(q, *w[3], eps_));
@@ -157,10 +180,13 @@ torch::Tensor DecodeStep::forward_team(torch::Tensor& h, const torch::Tensor& po
       });
       paged_decode_attention(attn3, q, k_caches[i], v_caches[i], block_tables, seq_lens, scale_);
       p[1]->forward_into(attn, delta);
+      if (lora) lora->add(i, 1, attn, delta);
       on_rank0([&] { add_rms_norm_into(h, &delta, *w[7], x, eps_); });
       p[2]->forward_into(x, gate_up);
+      if (lora) lora->add(i, 2, x, gate_up);
       on_rank0([&] { silu_mul_into(gate_up, act); });
       p[3]->forward_into(act, delta);
+      if (lora) lora->add(i, 3, act, delta);
     }
     on_rank0([&] { add_rms_norm_into(h, &delta, final_norm_, out, eps_); });
   });

@@ -5,11 +5,22 @@
 #include <torch/types.h>
 
 #include "gemm_bf16.h"
+#include "lora_add.h"
 
 #include <memory>
 #include <vector>
 
 namespace pagecli {
+
+// A step's adapter rows: the loaded adapters' stacks, each row's slot (-1: the base) and scale.
+struct LoraRows {
+  const LoraStacks& stacks;
+  const torch::Tensor& row_slot;
+  const torch::Tensor& row_scale;
+  void add(size_t layer, int which, const torch::Tensor& x, const torch::Tensor& out) const {
+    stacks.add(static_cast<int64_t>(layer), which, x, out, row_slot, row_scale);
+  }
+};
 
 // ---- A whole decode step in one call ------------------------------------------------------------
 // CausalLM.forward in Python makes about fifteen small calls per layer. For one chat stream that
@@ -42,6 +53,12 @@ class DecodeStep {
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches, torch::Tensor block_tables,
                         torch::Tensor seq_lens, torch::Tensor slots) const;
 
+  // forward() with LoRA adapter rows: after each product, the rows of row_slot >= 0 gain their adapter's
+  // low-rank product from `lora` (lora_add.h), as the Python layer loop adds them (float32 h).
+  torch::Tensor forward_lora(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches,
+                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor slots,
+                             std::shared_ptr<LoraStacks> lora, torch::Tensor row_slot, torch::Tensor row_scale) const;
+
   // Whether forward() runs a step of `rows` rows as one team (forward_team below), given h in the
   // products' dtype (bf16 with the packed GEMM; float32 on F32PanelLinear and the AVX2 quantized products).
   bool runs_as_team(int64_t rows) const { return team_ready_ && rows <= kTeamRows; }
@@ -57,7 +74,10 @@ class DecodeStep {
   // forks and joins and the ~25 tensor allocations and dispatches per layer out of every token.
   torch::Tensor forward_team(torch::Tensor& h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                             const torch::Tensor& slots) const;
+                             const torch::Tensor& slots, const struct LoraRows* lora) const;
+  torch::Tensor run(torch::Tensor h, const torch::Tensor& positions, const torch::Tensor& kv_caches,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& slots,
+                    const struct LoraRows* lora) const;
   static constexpr int64_t kTeamRows = 8;
   bool team_ready_ = false;  // every layer packed, every product runs_into() team_dtype_
   at::ScalarType team_dtype_ = at::kBFloat16;  // the products' into_dtype(): bf16, or float32 at the avx2 level

@@ -25,10 +25,14 @@ def load_summary(stats: EngineStats) -> str:
 
 
 def _adapters(stats: EngineStats) -> str:
-    """The LoRA adapters' share of memory, when the engine has any."""
-    if not stats.adapter_budget_bytes:
-        return ""
-    return f"; LoRA adapters up to {stats.adapter_budget_bytes / (1 << 20):,.1f} MiB (loaded on first use)"
+    """The LoRA adapters' share of memory, each adapter's bytes named, when the engine has any."""
+    mib = 1 << 20
+    text = f"; LoRA adapter {stats.merged_lora} merged into the weights" if stats.merged_lora else ""
+    if stats.adapter_budget_bytes:
+        each = "".join(f" {name} {nbytes / mib:,.1f} MiB," for name, nbytes in stats.adapter_sizes)
+        text += (f"; LoRA adapters{each} up to {stats.adapter_budget_bytes / mib:,.1f} MiB in memory (loaded on "
+                 "first use; each twice: its pairs and their batched copy)")
+    return text
 
 
 def adapter_text(stats: EngineStats) -> str:

@@ -19,7 +19,7 @@ from pagecli.bench.units import format_bytes
 if TYPE_CHECKING:
     from pagecli.bench.compare_hf import Comparison
     from pagecli.bench.memory import MemoryReport
-    from pagecli.bench.model_info import ModelKV
+    from pagecli.bench.model_info import AdapterMemory, ModelKV
     from pagecli.bench.summary import RunSummary
 
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
@@ -71,9 +71,16 @@ def _table(title: str, *columns: str, notes: bool = False) -> Table:
 
 
 def memory_view(report: MemoryReport, model: ModelKV | None,
-                other: tuple[str, MemoryReport] | None = None) -> RenderableType:
-    """`other`: the same requests with the KV cache in another format (--kv-dtype): bytes columns beside."""
+                other: tuple[str, MemoryReport] | None = None,
+                adapters: Sequence[AdapterMemory] = ()) -> RenderableType:
+    """`other`: the same requests with the KV cache in another format (--kv-dtype): bytes columns beside;
+    adapters: --lora's adapters' bytes."""
     parts: list[RenderableType] = [_memory_heading(report, model)]
+    if adapters:
+        each = ", ".join(f"{a.name} (rank {a.rank}) {format_bytes(a.nbytes)}" for a in adapters)
+        parts.append(Text(f"LoRA adapters: {each}; {format_bytes(sum(a.nbytes for a in adapters))} in all, outside "
+                          "the KV pool (its size does not change with them); a loaded adapter is also copied into "
+                          "the stacks that batch its rows, so it holds about twice this in memory.\n"))
     if other is not None:
         parts.append(Text(f"--kv-dtype {other[0]}: {other[1].kv_bytes_per_token:,} KV bytes per token "
                           f"({_ratio_text(report.kv_bytes_per_token, other[1].kv_bytes_per_token)} the tokens "
