@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_probes import assert_one_call_equals_layer_loop
 from lora_helpers import one_thread  # noqa: F401 - a fixture
 from native_levels import ops, skip_without_native, threads  # noqa: F401 - a fixture
 from pagecli.config import EngineConfig, SamplingParams
@@ -141,12 +142,4 @@ def test_the_one_call_step_with_adapter_rows_matches_the_python_layer_loop_bit_f
             with torch.inference_mode():
                 return model(ids, positions, cache, meta, backend, lora)
 
-        cpp_cache, python_cache = caches.clone(), caches.clone()
-        from_cpp = run(cpp_cache)
-        step, model.decode_step = model.decode_step, None
-        try:
-            from_python = run(python_cache)
-        finally:
-            model.decode_step = step
-        assert torch.equal(from_cpp, from_python)
-        assert torch.equal(cpp_cache, python_cache)
+        assert_one_call_equals_layer_loop(model, caches, run)

@@ -24,6 +24,7 @@ from pagecli.engine import Engine
 from pagecli.models import weight_plan
 from pagecli.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
+from engine_probes import assert_one_call_equals_layer_loop
 from native_levels import threads
 
 if not native.enabled():
@@ -613,13 +614,5 @@ def assert_decode_step_matches_the_layer_loop(model, backend, caches, rows: int,
         with torch.inference_mode():
             return model(ids, positions, cache, meta, backend)
 
-    cpp_cache, python_cache = caches.clone(), caches.clone()
-    from_cpp = run(cpp_cache)
-    step, model.decode_step = model.decode_step, None
-    try:
-        from_python = run(python_cache)
-    finally:
-        model.decode_step = step
-    assert torch.equal(from_cpp, from_python)
-    assert torch.equal(cpp_cache, python_cache)
+    cpp_cache = assert_one_call_equals_layer_loop(model, caches, run)
     assert not torch.equal(cpp_cache, caches)  # the new K/V was stored
