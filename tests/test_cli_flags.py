@@ -38,6 +38,7 @@ FLAG_CASES = {
     "num_speculative_tokens": (["--num-speculative-tokens", "6"], 6),
     "lora": (["--lora", "sql=/adapters/sql", "--lora", "poet=/adapters/poet"],
              (("sql", "/adapters/sql"), ("poet", "/adapters/poet"))),
+    "merge_lora": (["--merge-lora", "--lora", "sql=/adapters/sql"], True),  # merges exactly one adapter
     "max_loras": (["--max-loras", "3"], 3),
     "max_lora_rank": (["--max-lora-rank", "16"], 16),
     "max_tokens": (["--max-tokens", "5"], 5),
