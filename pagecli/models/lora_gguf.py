@@ -18,6 +18,7 @@ import numpy as np
 
 from pagecli import paths
 from pagecli.errors import ModelError
+from pagecli.models.gguf_convert import PERMUTED_ROTARY_ARCHITECTURES
 from pagecli.models.spec import DecoderSpec
 
 # GGUF tensor name -> (submodule, PEFT target) of the decoders pagecli runs (not Phi-3's fused products).
@@ -25,7 +26,6 @@ _TARGETS = {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj")
             "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
             "ffn_down": ("mlp", "down_proj")}
 _TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
-_PERMUTED_ROTARY = ("llama", "mixtral")  # as models/gguf_convert.PERMUTED_ROTARY_ARCHITECTURES
 
 
 def is_gguf_adapter(path: Path) -> bool:
@@ -84,7 +84,7 @@ def _read(name: str, path: Path, spec: DecoderSpec) -> tuple[float, dict[tuple[i
         layer, (sub, target), side = int(match.group(1)), _TARGETS[match.group(2)], match.group(3)
         weight = dequantize(tensor.data, tensor.tensor_type)
         weight = np.ascontiguousarray(weight, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
-        if side == "b" and architecture in _PERMUTED_ROTARY and target in ("q_proj", "k_proj"):
+        if side == "b" and architecture in PERMUTED_ROTARY_ARCHITECTURES and target in ("q_proj", "k_proj"):
             from pagecli.models.gguf_convert import unpermute_rotary_rows
 
             heads = spec.num_heads if target == "q_proj" else spec.num_kv_heads
