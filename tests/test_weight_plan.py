@@ -138,3 +138,37 @@ def test_auto_dtype_takes_float32_for_a_gguf_files_blocks_on_bf16_cpus_without_a
     assert (plan.dtype, plan.quantize) == (torch.float32, "gguf")
     assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", zen4).dtype == torch.bfloat16  # as asked
     assert plan_for_folder(smollm2_dir, "auto", CPU, "none", zen4).dtype == torch.bfloat16
+
+
+def test_auto_dtype_on_amx_takes_the_blocks_for_one_stream_and_bf16_for_many(smollm2_dir, monkeypatch):
+    """On AMX, one stream decodes faster on the file's blocks (float32), many sequences on bf16 tiles."""
+    from pagecli.models import loader
+    from pagecli.models.weight_plan import blocks_choose_float32, plan_for_folder
+
+    amx = kernels("avx512_vnni", packed=True, amx=True)
+    assert blocks_choose_float32("auto", CPU, amx, Q4_1_FILE, one_stream=True)
+    assert not blocks_choose_float32("auto", CPU, amx, Q4_1_FILE, one_stream=False)
+    assert not blocks_choose_float32("none", CPU, amx, Q4_1_FILE, one_stream=True)
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    one = plan_for_folder(smollm2_dir, "auto", CPU, "auto", amx, one_stream=True)
+    assert (one.dtype, one.quantize) == (torch.float32, "gguf")
+    assert plan_for_folder(smollm2_dir, "auto", CPU, "auto", amx).dtype == torch.bfloat16
+    assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", amx, one_stream=True).dtype == torch.bfloat16
+
+
+def test_chat_and_a_one_line_generate_run_as_one_stream(tmp_path):
+    """chat and a generate of one line (one candidate) build their engine with max_num_seqs 1, the signal
+    `--dtype auto` reads (EngineConfig.for_one_stream); two lines, or n > 1, do not."""
+    from pagecli.batch.requests import BatchRequest
+    from pagecli.cli.generate import _one_stream
+    from pagecli.config import EngineConfig, RunSettings, SamplingParams
+    from pagecli.config.profiles import load_profile
+
+    assert EngineConfig().for_one_stream().max_num_seqs == 1
+    assert EngineConfig(max_num_seqs=1).for_one_stream() == EngineConfig(max_num_seqs=1)
+    settings = RunSettings(None, load_profile(None), EngineConfig(), SamplingParams())
+    line = BatchRequest(1, "a", "hello")
+    assert _one_stream(settings, [line])
+    assert not _one_stream(settings, [line, BatchRequest(2, "b", "again")])
+    assert not _one_stream(settings, [BatchRequest(1, "a", "hello", sampling={"n": 2})])
+    assert not _one_stream(settings, [BatchRequest(1, "a", "hello", sampling={"temperature": -3})])  # refused later

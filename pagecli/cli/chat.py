@@ -168,7 +168,8 @@ def _chat(settings: o.RunSettings, conversation: Conversation, name: str | None,
         from pagecli.engine import Engine
 
         say("Loading model ...", style="dim")
-        engine, controller_class = Engine(settings.model, settings.engine), ChatController
+        # A chat decodes one reply at a time (refuse_candidates): the engine may pick one stream's fastest weights.
+        engine, controller_class = Engine(settings.model, settings.engine.for_one_stream()), ChatController
         model_name = settings.model
     options = ChatOptions(truncate=truncate, session_name=name, autosave=name is not None, model_name=model_name)
     try:

@@ -14,7 +14,7 @@ from typing import Any
 from pagecli.chat.turn import StopFlag
 from pagecli.batch.input_lines import DEFAULT_MAX_LINE_BYTES
 from pagecli.batch.line_results import LineResults
-from pagecli.batch.requests import BadLine, BatchRequest, input_name, read_requests
+from pagecli.batch.requests import BadLine, BatchRequest, input_name, read_requests, sampling_with
 from pagecli.batch.results_file import RunIdentity, plan_resume, scan_output, settings_digest
 from pagecli.batch.results_writer import ResultWriter, open_results
 from pagecli.batch.submit import submit_line
@@ -106,7 +106,8 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
     from pagecli.engine import Engine
 
     say("Loading model ...", style="dim")
-    engine = Engine(settings.model, settings.engine, progress=lambda msg: say(msg, style="dim"))
+    config = settings.engine.for_one_stream() if _one_stream(settings, todo) else settings.engine
+    engine = Engine(settings.model, config, progress=lambda msg: say(msg, style="dim"))
     say(load_summary(engine.stats()), style="dim")
     try:
         return _drive(engine, settings, todo, writer, progress)
@@ -114,6 +115,18 @@ def _generate(settings: RunSettings, todo: list[BatchRequest | BadLine], writer:
         engine.close()  # waits for pending disk-store writes
         for warning in engine.take_warnings():
             say(f"Warning: {warning}", style="yellow")
+
+
+def _one_stream(settings: RunSettings, todo: list[BatchRequest | BadLine]) -> bool:
+    """Whether the run decodes one sequence at a time: one line to run, one candidate, no beams."""
+    requests = [item for item in todo if isinstance(item, BatchRequest)]
+    if len(requests) != 1:
+        return False
+    try:
+        sampling = sampling_with(settings.sampling, requests[0].sampling)
+    except PagecliError:
+        return False  # the line's own settings are refused when it is submitted
+    return sampling.num_sequences == 1 and not sampling.beam_search
 
 
 def _generate_on_server(settings: RunSettings, todo: list[BatchRequest | BadLine], writer: ResultWriter,

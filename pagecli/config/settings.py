@@ -6,7 +6,7 @@ One place defines every tunable; profiles (TOML) and command-line flags only fil
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from pagecli.config.structured import StructuredSpec
 from pagecli.errors import PagecliError
@@ -142,6 +142,12 @@ class EngineConfig:
         _require(self.kv_dtype in KV_DTYPE_CHOICES,
                  f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)} (got '{self.kv_dtype}').")
         self._check_loras()
+
+    def for_one_stream(self) -> EngineConfig:
+        """This config for a run that decodes one sequence at a time (chat; a one-line generate): max_num_seqs
+        1, which lets `--dtype auto` take the weights fastest for one row (models/weight_plan.py,
+        blocks_choose_float32: on AMX CPUs a GGUF model's own blocks in float32 rather than bf16 floats)."""
+        return self if self.max_num_seqs == 1 else replace(self, max_num_seqs=1)
 
     def _check_loras(self) -> None:
         _require(all(isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(p, str) and p for p in pair)

@@ -122,7 +122,8 @@ class Engine:
         # read it alone, takes tens of milliseconds a time).
         hf_config = load_hf_config(folder) if loaded is None else loaded.hf_config
         # How every weight is kept and what runs it: one decision (models/weight_plan.py), applied as layers load.
-        self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops, hf_config)
+        self.plan = plan_for_folder(folder, dtype, device, self.config.quantize, cpu_ops, hf_config,
+                                    one_stream=self.config.max_num_seqs == 1)
         spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json") if loaded is None else loaded.spec
         self.merged_lora = self._adapter_to_merge(spec) if self.config.merge_lora else None
         placer = WeightPlacer(self.plan, cpu_ops, progress, after_layer=return_freed_load_memory,

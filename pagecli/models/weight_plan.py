@@ -213,25 +213,33 @@ def _resolve(quantize: str, dtype: torch.dtype, ops: CpuOps | None, int8_native:
 
 
 def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | None,
-                          gguf_types: Mapping[str, int] | None) -> bool:
-    """Whether `--dtype auto` takes float32 rather than bfloat16 for a model converted from a GGUF file:
-    on a CPU with bf16 arithmetic but no AMX tiles, where the file has blocks that run as they lie and the
-    native kernels run them. Its blocks then run with activations rounded to int16 (the converted floats'
-    numbers to 2^-16) instead of its floats rounded to bf16: measured on a Zen 4 (AVX512-BF16, no AMX),
-    2 threads, the embedded model decoded at 119 tok/s greedy this way against 101 in bf16 and llama.cpp
-    Q4_1's 116 (issue 43, llama-bench tg256). AMX CPUs keep bf16: unmeasured there."""
-    if quantize not in ("auto", "gguf") or device.type != "cpu" or ops is None or ops.has_amx():
+                          gguf_types: Mapping[str, int] | None, one_stream: bool = False) -> bool:
+    """Whether `--dtype auto` takes float32 rather than bfloat16 for a model converted from a GGUF file, where
+    the file has blocks that run as they lie and the native kernels run them: float32 runs them with
+    activations rounded to int16 (the converted floats' numbers to 2^-16), bfloat16 runs the converted floats
+    rounded to bf16. A decode row then reads the blocks' 4-5 bits a weight instead of bf16's 16; the int16
+    products gain little from more rows, where bf16's do.
+    - CPUs with bf16 arithmetic but no AMX tiles: float32. Zen 4 (AVX512-BF16), 2 threads: the embedded model
+      decoded at 119 tok/s greedy against 101 in bf16 and llama.cpp Q4_1's 116 (issue 43, llama-bench tg256).
+    - AMX CPUs: float32 for a run of one stream (`one_stream`: at most one sequence at a time: chat, a
+      one-line generate), bf16 otherwise. Xeon with AMX, 1 thread (docs/benchmarks/cpu-peers-amx.md, "The
+      default dtype on AMX"): one stream decodes ~2.1x faster on the blocks, while 16 or 64 sequences, and
+      prompts, run 2-6x faster on AMX's bf16 tiles."""
+    if quantize not in ("auto", "gguf") or device.type != "cpu" or ops is None:
+        return False
+    if ops.has_amx() and not one_stream:
         return False
     # float32 is the dtype whose blocks --quantize auto runs: where its plan would run them, take it
     return plan_weights(torch.float32, device, "auto", ops, "", gguf_types).quantize == "gguf"
 
 
 def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
-                    ops: CpuOps | None, hf_config: Any = None) -> WeightPlan:
+                    ops: CpuOps | None, hf_config: Any = None, one_stream: bool = False) -> WeightPlan:
     """plan_weights for a model folder: its dtype (dtype: --dtype, resolved against its config, or the
     loaded model's; `auto` takes float32 where blocks_choose_float32), and the GGUF file it was converted
     from, if any, read through the folder's index. The engine loads the model in plan.dtype. hf_config: the
-    folder's config where the caller has read it already (load_hf_config)."""
+    folder's config where the caller has read it already (load_hf_config); one_stream: the run decodes one
+    sequence at a time (blocks_choose_float32)."""
     from pagecli import native
     from pagecli.models import gguf_files
     from pagecli.models.loader import load_hf_config, resolve_dtype
@@ -251,7 +259,7 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
     if not isinstance(dtype, torch.dtype):
         auto = dtype == "auto"
         dtype = resolve_dtype(dtype, hf_config, device)
-        if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types):
+        if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types, one_stream):
             dtype = torch.float32
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types,
