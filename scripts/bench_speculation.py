@@ -102,6 +102,8 @@ def main() -> None:
     for k in (int(v) for v in args.k.split(",")):
         configs[f"ngram k={k}"] = EngineConfig(disk_cache=False, threads=args.threads, speculate="ngram",
                                                num_speculative_tokens=k)
+    if args.batch == 1:  # one request at a time, as chat or a one-line generate runs (their engine's dtype)
+        configs = {name: config.for_one_stream() for name, config in configs.items()}
     engines = {name: Engine(None, config) for name, config in configs.items()}
     tokenizer = next(iter(engines.values())).tokenizer
     if args.make_set:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
         self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
-        self.speculator = Speculator(self.config, self.kv) if self.config.speculate != "off" else None
+        self.speculator = (Speculator(self.config, self.kv, on_cpu=self.loaded.device.type == "cpu")
+                           if self.config.speculate != "off" else None)
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0
@@ -380,7 +382,10 @@ class Engine:
             plan.scheduled.sort(key=_adapter_order)
         self.runner.copy_blocks(self.kv.take_pending_copies())  # copy-on-write, before anything writes
         sampled = [item.seq for item in plan.scheduled if item.samples]
+        started = time.perf_counter()
         logits = self.runner.execute(plan.scheduled)
+        if self.speculator:
+            self.speculator.observe_step(plan.scheduled, time.perf_counter() - started)
         yielded: dict[int, list[int]] = {}
         if self.speculator and any(seq.num_draft for seq in sampled):
             sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)

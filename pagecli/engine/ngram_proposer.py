@@ -29,3 +29,33 @@ def propose(token_ids: SequenceOf[int], max_tokens: int, max_ngram: int = 3, min
                 if follow:
                     return follow
     return []
+
+
+class NgramIndex:
+    """propose() for one growing sequence, without a scan: the latest start of every n-gram
+    (min_ngram <= n <= max_ngram) among the tokens before the last, added as the sequence grows, so a
+    proposal costs a few dictionary lookups at any length. Its proposals equal propose()'s."""
+
+    __slots__ = ("max_ngram", "min_ngram", "window", "latest", "indexed")
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 4096) -> None:
+        self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start
+        self.indexed = 0  # the n-grams ending before this position are in
+
+    def propose(self, token_ids: SequenceOf[int], max_tokens: int) -> list[int]:
+        total = len(token_ids)
+        if total < self.indexed:  # the tokens were cut back: start again
+            self.latest.clear()
+            self.indexed = 0
+        for end in range(self.indexed, total - 1):  # n-grams ending at `end` (the last token's are not matches)
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                self.latest[tuple(token_ids[end + 1 - n : end + 1])] = end + 1 - n
+        self.indexed = max(self.indexed, total - 1)
+        if max_tokens <= 0 or total < self.min_ngram + 1:
+            return []
+        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
+            at = self.latest.get(tuple(token_ids[total - n :]))
+            if at is not None and at >= total - self.window:
+                return list(token_ids[at + n : at + n + max_tokens])
+        return []

@@ -19,12 +19,14 @@ rejected drafts reached go back to the pool. A sequence the scheduler could not 
 has its drafts taken back and runs a plain decode.
 
 Drafts cost: a checking step computes every draft's row (on a CPU the products' work grows with the
-rows), so a sequence whose drafts keep failing would run slower than without them. Each sequence has a
-DraftBudget: after a pass it takes at most one draft more than it had accepted (up to K), and after a
-pass that accepted none it proposes nothing for 2, 4, 8 ... 64 tokens; an accepted draft resets that.
-Open-ended text, where lookup rarely hits, so costs a few failed passes, not one every step. And no
-sequence takes drafts while more than `speculate_max_batch` run (1 unless told): on a CPU the rows of a
-batch's drafts cost more than the steps they save (at 4 sequences 0.93x on the editing set, AVX2).
+rows), so drafts that keep failing would make a sequence slower than without them. Each sequence takes, at
+each step, the number of drafts whose expected tokens per unit of step cost is highest, from its own
+acceptance so far and the engine's measured cost of a row (engine/draft_budget.py): none where no number
+beats a plain step, as on open text where lookup rarely guesses right; a free shadow guess each plain step
+lets it resume when the output starts copying. Proposals come from each sequence's n-gram index
+(ngram_proposer.NgramIndex), a few lookups a step. And no sequence takes drafts while more than
+`speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts cost more than the steps
+they save (at 4 sequences 0.93x on the editing set, AVX2).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import torch
 
 from pagecli.config.settings import EngineConfig
 from pagecli.engine.kv_cache_manager import KVCacheManager
-from pagecli.engine.ngram_proposer import propose
+from pagecli.engine.draft_budget import CPU_ROW_COST, GPU_ROW_COST, DraftBudget, RowCost
+from pagecli.engine.ngram_proposer import NgramIndex
 from pagecli.engine.sampler import sample
 from pagecli.engine.scheduler import SchedulerOutput
 from pagecli.engine.sequence import Sequence
@@ -54,36 +57,15 @@ def speculates(seq: Sequence) -> bool:
             and seq.num_tokens > seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1)
 
 
-MAX_PAUSE = 64  # tokens a sequence goes without proposals after failed passes, at most
-
-
-class DraftBudget:
-    """How many drafts a sequence takes at its next proposal, and from which token count on."""
-
-    __slots__ = ("length", "misses", "resume_at")
-
-    def __init__(self, length: int) -> None:
-        self.length = length  # drafts the next proposal may hold
-        self.misses = 0  # passes in a row that accepted nothing
-        self.resume_at = 0  # no proposal before the sequence holds this many tokens
-
-    def after_pass(self, accepted: int, num_tokens: int, limit: int) -> None:
-        """Update from a pass that accepted `accepted` drafts; num_tokens: the sequence's tokens after it
-        (the drafts taken back, the tokens it yields counted); limit: K."""
-        self.length = max(1, min(limit, accepted + 1))
-        if accepted:
-            self.misses = 0
-            return
-        self.misses += 1
-        self.resume_at = num_tokens + min(MAX_PAUSE, 2 ** self.misses)
-
-
 class Speculator:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, on_cpu: bool = True) -> None:
         self.num_tokens = config.num_speculative_tokens
         self.max_ngram = config.speculate_max_ngram
         self.max_batch = config.speculate_max_batch
         self.kv = kv
+        # What a row adds to a step: timed on a CPU; a GPU's few decode rows cost next to nothing (and timing
+        # them would need a sync).
+        self.row_cost = RowCost(CPU_ROW_COST, measure=True) if on_cpu else RowCost(GPU_ROW_COST, measure=False)
         self.proposed = 0  # drafts checked
         self.accepted = 0  # drafts the model agreed with
         self.passes = 0  # sequence-steps that checked drafts
@@ -97,19 +79,32 @@ class Speculator:
     def add_drafts(self, running: list[Sequence]) -> None:
         if len(running) > self.max_batch:
             return
+        row_cost = self.row_cost.value
         for seq in running:
             if not speculates(seq):
                 continue
             if seq.spec is None:
-                seq.spec = DraftBudget(self.num_tokens)
-            if seq.num_tokens < seq.spec.resume_at:
-                continue
-            room = min(seq.spec.length, seq.max_model_len - seq.num_tokens - 1,
+                seq.spec = (DraftBudget(), NgramIndex(self.max_ngram))
+            budget, index = seq.spec
+            budget.settle_guess(seq.token_ids)
+            room = min(self.num_tokens, seq.max_model_len - seq.num_tokens - 1,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1)
-            drafts = propose(seq.token_ids, room, self.max_ngram)
+            length = budget.length(row_cost, room) if room > 0 else 0
+            drafts = index.propose(seq.token_ids, length or min(room, 1))
+            if not length:
+                if drafts:  # not worth a row: a guess the next token will settle
+                    budget.guess(seq.num_tokens, drafts[0])
+                continue
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft = len(drafts)
+
+    def observe_step(self, scheduled: list, seconds: float) -> None:
+        """A step's forward time, for the row cost: steps of one decoding sequence (plain or checking)."""
+        if len(scheduled) == 1:
+            item = scheduled[0]
+            if item.num_new_tokens == 1 + item.seq.num_draft and item.seq.num_tokens > item.seq.num_prompt_tokens:
+                self.row_cost.observe(item.num_new_tokens, seconds)
 
     def settle(self, plan: SchedulerOutput, drafted: Iterable[Sequence]) -> SchedulerOutput:
         """The plan with every sequence whose drafts the scheduler did not take whole back to a plain
@@ -156,7 +151,7 @@ class Speculator:
                 self.passes += 1
                 self.tokens += accepted + 1
                 self._take_back(seq)
-                seq.spec.after_pass(accepted, seq.num_tokens + accepted + 1, self.num_tokens)
+                seq.spec[0].after_pass(accepted, len(drafts))
                 yielded[id(seq)] = choices[: accepted + 1]
             row += count
         if len(plain) != len(sampled):
