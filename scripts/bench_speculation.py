@@ -139,7 +139,8 @@ def main() -> None:
         stats = engines[name].stats()
         extra = "" if not stats.spec_passes else (
             f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} tokens per pass, "
-            f"outputs differing from off: {differing[name]}")
+            f"outputs differing from off: {differing[name]}; a row's measured cost r = "
+            f"{engines[name].speculator.row_cost.value:.2f} of a one-row step")
         print(f"{name:10} {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}] tok/s "
               f"({statistics.median(values) / base:.2f}x){extra}")
 

@@ -75,7 +75,6 @@ def adapter_memory(model: str, pairs: tuple[tuple[str, str], ...], dtype: str = 
                    device: str = "auto") -> tuple[AdapterMemory, ...]:
     """Each adapter's bytes over MODEL in the dtype the engine would use, from the adapter's config and
     safetensors header (checked against the model's shapes); no weights are read."""
-    from pagecli.config.settings import DEFAULT_MAX_LORA_RANK
     from pagecli.models.loader import resolve_device, resolve_dtype
     from pagecli.models.lora import adapter_bytes, inspect_adapter
     from pagecli.models.spec import DecoderSpec
@@ -83,7 +82,7 @@ def adapter_memory(model: str, pairs: tuple[tuple[str, str], ...], dtype: str = 
     hf_config, source = _hf_config(model)
     spec = DecoderSpec.from_hf_config(hf_config, source)
     torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
-    infos = [inspect_adapter(name, path, spec, max(DEFAULT_MAX_LORA_RANK, 1 << 16)) for name, path in pairs]
+    infos = [inspect_adapter(name, path, spec, None) for name, path in pairs]  # a report: any rank is counted
     return tuple(AdapterMemory(info.name, info.rank, adapter_bytes(info, spec, torch_dtype)) for info in infos)
 
 

@@ -38,6 +38,8 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+PRODUCTS = tuple(FUSED_TARGETS)  # also the CPU kernels' order of a layer's products (lora_slots, LoraStacks)
+ATTENTION_PRODUCTS = ("qkv_proj", "o_proj")  # in self_attn; the others in mlp
 _PRODUCT_OF = {target: product for product, targets in FUSED_TARGETS.items() for target in targets}
 _PRODUCT_OF.update({"qkv_proj": "qkv_proj", "gate_up_proj": "gate_up_proj"})  # Phi-3's checkpoint names
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
@@ -92,7 +94,7 @@ def _target_shapes(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
 def _checkpoint_targets(spec: DecoderSpec) -> tuple[str, ...]:
     """The module names an adapter of this model may target: the checkpoint's (fused in Phi-3's)."""
     if spec.fused_checkpoint:
-        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return PRODUCTS
     if spec.num_experts:  # a mixture of experts: adapters of the attention only (not of the experts)
         return ("q_proj", "k_proj", "v_proj", "o_proj")
     return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -152,9 +154,10 @@ def _tensor_shapes(path: Path, name: str) -> dict[str, tuple[int, ...]]:
         raise ModelError(f"LoRA adapter '{name}': {path} is not a readable safetensors file ({exc}).") from None
 
 
-def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: int) -> AdapterInfo:
+def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: int | None) -> AdapterInfo:
     """Check a PEFT adapter folder against the base model (layers, targets, shapes, rank) from its config and
-    its safetensors header; ModelError, one sentence, on the first mismatch."""
+    its safetensors header; ModelError, one sentence, on the first mismatch. max_rank None: any rank (a
+    report that loads nothing)."""
     folder = Path(folder).expanduser()
     if lora_gguf.is_gguf_adapter(folder):  # llama.cpp's file: checked as the PEFT folder it stands for
         folder = lora_gguf.peft_folder_for(name, folder, spec)
@@ -191,7 +194,7 @@ def inspect_adapter(name: str, folder: str | Path, spec: DecoderSpec, max_rank: 
                              f"model needs A [r, {in_features}] and B [{out_features}, r] (is the adapter for "
                              "another model?).")
         r = a[0]
-        if r > max_rank:
+        if max_rank is not None and r > max_rank:
             raise ModelError(f"LoRA adapter '{name}' has rank {r} (layer {layer} {target}); the limit is "
                              f"{max_rank}: raise --max-lora-rank or use an adapter of a lower rank.")
         module = f"model.layers.{layer}.{_submodule(target)}.{target}"
@@ -230,7 +233,7 @@ def describe_folder(name: str, folder: str | Path) -> str:
 
 def _submodule(target: str) -> str:
     """The submodule a target lives in: self_attn or mlp."""
-    return "mlp" if target in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+    return "self_attn" if _PRODUCT_OF[target] in ATTENTION_PRODUCTS else "mlp"
 
 
 def load_adapter(info: AdapterInfo, spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> LoraAdapter:

@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 
-from pagecli.models.lora import LoraAdapter
-
-
-PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # in the CPU kernels' order (LoraStacks)
+from pagecli.models.lora import PRODUCTS, LoraAdapter
 
 
 class AdapterSlots:

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagecli.models.decoder import CausalLM, DecoderLayer
 from pagecli.models.layers import GatedMLP, Linear, RMSNorm
-from pagecli.models.lora import LoraAdapter, LowRank
+from pagecli.models.lora import ATTENTION_PRODUCTS, LoraAdapter, LowRank
 from pagecli.models.quantize import Int8Reference, int8_product, quantize_int8
 from pagecli.models.quantize_int4 import Int4Reference, int4_product, quantize_int4
 from pagecli.models.weight_plan import WeightPlan
@@ -310,7 +310,7 @@ def merge_into_layer(layer: DecoderLayer, pairs: dict[str, LowRank]) -> None:
     """W += B A (scaling folded into B) for each product the adapter targets, summed in float32 and rounded
     once to the weight's dtype, as PEFT's merge_and_unload does."""
     for product, pair in pairs.items():
-        linear = getattr(layer.self_attn if product in ("qkv_proj", "o_proj") else layer.mlp, product)
+        linear = getattr(layer.self_attn if product in ATTENTION_PRODUCTS else layer.mlp, product)
         weight = linear.weight  # [out_features, in_features]
         merged = weight.float() + pair.b.float() @ pair.a.float()
         linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
