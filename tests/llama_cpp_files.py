@@ -46,6 +46,22 @@ def converted_by_llama_cpp(smollm2_dir, tmp_path, arch: str, outtype: str, **con
     (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
     path = tmp_path / f"{arch}.{outtype}.gguf"
     env = {**os.environ, "PYTHONPATH": f"{LLAMA_CPP / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
-    subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(folder), "--outtype", outtype,
                     "--outfile", str(path)], env=env, check=True, capture_output=True)
     return folder, path
+
+
+# convert_hf_to_gguf.py run as it is, save one thing: its Gemma 2 vocabulary is SentencePiece's only, and its
+# Phi-3's too unless tokenizer_config names GPT2Tokenizer (Phi-4's); both need a tokenizer.model, which SmolLM2 has
+# not. There they take the BPE tokenizer.json as its Gemma 3 (and Phi-4) do. The tensors and the model's metadata
+# are the converter's own.
+_CONVERT = """
+import runpy, sys
+source = sys.argv.pop(1)
+sys.path.insert(0, source)
+from conversion.gemma import Gemma2Model
+from conversion.phi import Phi3MiniModel
+Gemma2Model.set_vocab = Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv[0] = source + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""

@@ -60,12 +60,25 @@ def test_a_gguf_of_an_architecture_pagecli_does_not_convert_is_named(tmp_path):
     from pagecli.errors import ModelError
 
     path = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer = gguf.GGUFWriter(str(path), "gemma3n")  # Gemma 3n: not Gemma 3's text model
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelError, match="'gemma2' model, but pagecli converts only these GGUF architectures: "
-                                         "llama, qwen2, qwen3"):
+    with pytest.raises(ModelError, match="'gemma3n' model, but pagecli converts only these GGUF architectures: "
+                                         "llama, qwen2, qwen3, qwen3moe, olmoe, gemma2, gemma3, phi3;"):
         resolve_model(str(path))
+
+
+def test_pagecli_models_lists_the_architectures_and_the_gguf_files_it_converts(tmp_path, monkeypatch, capsys):
+    import pagecli.cli.models_cmd  # noqa: F401 - registers `pagecli models`
+    from pagecli.cli import main
+    from pagecli.models.gguf_convert import SUPPORTED_GGUF_ARCHITECTURES
+
+    monkeypatch.setenv("PAGECLI_HOME", str(tmp_path))
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "Gemma 2 (gemma2)" in listing and "Phi-3/3.5/4 (phi3)" in listing
+    assert f"GGUF files of: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}." in listing
+    assert {"gemma2", "gemma3", "phi3"} <= set(SUPPORTED_GGUF_ARCHITECTURES)
