@@ -1,10 +1,11 @@
-"""Gemma 2, Gemma 3 and Phi-3 GGUF files as llama.cpp's own convert_hf_to_gguf.py writes them (tests/llama_cpp_files.py),
-from tiny random Hugging Face models: metadata to config (soft-caps, windows and their layer pattern, rope bases,
+"""Gemma 2, Gemma 3 and Phi-3 GGUF files as llama.cpp's own convert_hf_to_gguf.py writes them
+(tests/llama_cpp_files.py), from tiny random Hugging Face models: metadata to config (soft-caps, windows and their layer pattern, rope bases,
 Phi-3's longrope factors), tensor names to the checkpoint's (Gemma's norms after each block, Phi-3's fused qkv and
 gate/up), Gemma's norm weights with llama.cpp's added 1 taken off. An F32 file gives its folder's weights, logits
 within tolerance of transformers on the folder, and its greedy tokens; an F16 file its folder's greedy tokens; a
 Q8_0 file's products (Phi-3's fused ones too) run on the file's blocks (--quantize gguf) and give its converted
-floats' tokens."""
+floats' tokens, and a Q4_0 one's (the F32 file's matrices quantized by the gguf package, as llama-quantize stores
+them) on the 4-bit product."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from architecture_helpers import transformers_model
 from engine_probes import recorded_logits
-from llama_cpp_files import LLAMA_CPP, converted_by_llama_cpp
+from llama_cpp_files import LLAMA_CPP, converted_by_llama_cpp, with_blocks
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.models import gguf_blocks
@@ -116,12 +117,8 @@ def test_an_f16_gguf_gives_its_folders_greedy_tokens(arch, smollm2_dir, tmp_path
     assert tokens == greedy(str(folder))
 
 
-@pytest.mark.parametrize("arch", OVERRIDES)
-def test_a_q8_0_ggufs_products_run_on_its_blocks_and_give_its_floats_tokens(arch, smollm2_dir, tmp_path,
-                                                                           monkeypatch):
-    _, path = converted(smollm2_dir, tmp_path, arch, "q8_0")
-    floats = greedy(str(path), quantize="none")
-    assert len({token for row in floats for token in row}) > 3
+def products_on_blocks(monkeypatch) -> dict[tuple[int, str], object]:
+    """Each layer's products as GgufBlocks.layer gives them, recorded as the model loads: (layer, product) -> parts."""
     on_blocks: dict[tuple[int, str], object] = {}
     layer = gguf_blocks.GgufBlocks.layer
 
@@ -131,8 +128,31 @@ def test_a_q8_0_ggufs_products_run_on_its_blocks_and_give_its_floats_tokens(arch
         return products
 
     monkeypatch.setattr(gguf_blocks.GgufBlocks, "layer", recording)
+    return on_blocks
+
+
+def assert_blocks_give_the_floats_tokens(path, parts_type, monkeypatch) -> None:
+    """--quantize gguf gives the converted floats' greedy tokens, every layer's four products (Phi-3's from its
+    fused attn_qkv and ffn_up) on the file's blocks."""
+    floats = greedy(str(path), quantize="none")
+    assert len({token for row in floats for token in row}) > 3
+    on_blocks = products_on_blocks(monkeypatch)
     assert greedy(str(path), quantize="gguf") == floats
-    # every layer's four products (Phi-3's from its fused attn_qkv and ffn_up) on the file's Q8_0 blocks
     num_layers = json.loads((resolve_model(str(path)) / "config.json").read_text())["num_hidden_layers"]
     assert len(on_blocks) == num_layers * 4
-    assert all(isinstance(parts, gguf_blocks.Q8Parts) for parts in on_blocks.values())
+    assert all(isinstance(parts, parts_type) for parts in on_blocks.values())
+
+
+@pytest.mark.parametrize("arch", OVERRIDES)
+def test_a_q8_0_ggufs_products_run_on_its_blocks_and_give_its_floats_tokens(arch, smollm2_dir, tmp_path,
+                                                                           monkeypatch):
+    _, path = converted(smollm2_dir, tmp_path, arch, "q8_0")
+    assert_blocks_give_the_floats_tokens(path, gguf_blocks.Q8Parts, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", OVERRIDES)
+def test_a_q4_0_ggufs_products_run_on_its_blocks_and_give_its_floats_tokens(arch, smollm2_dir, tmp_path,
+                                                                           monkeypatch):
+    _, f32_path = converted(smollm2_dir, tmp_path, arch, "f32")
+    path = with_blocks(f32_path, tmp_path / f"{arch}.Q4_0.gguf", "Q4_0")
+    assert_blocks_give_the_floats_tokens(path, gguf_blocks.Int4Parts, monkeypatch)
