@@ -133,11 +133,24 @@ def products_on_blocks(monkeypatch) -> dict[tuple[int, str], object]:
 
 def assert_blocks_give_the_floats_tokens(path, parts_type, monkeypatch) -> None:
     """--quantize gguf gives the converted floats' greedy tokens, every layer's four products (Phi-3's from its
-    fused attn_qkv and ffn_up) on the file's blocks."""
+    fused attn_qkv and ffn_up) on the file's blocks, and the converted floats they replace (the checkpoint's
+    qkv_proj and gate_up_proj themselves in Phi-3's) never read."""
+    from pagecli.models import loader
+
     floats = greedy(str(path), quantize="none")
     assert len({token for row in floats for token in row}) > 3
     on_blocks = products_on_blocks(monkeypatch)
+    read: list[str] = []
+    real = loader._read_tensors
+
+    def spy(names, *rest):
+        read.extend(names)
+        return real(names, *rest)
+
+    monkeypatch.setattr(loader, "_read_tensors", spy)
     assert greedy(str(path), quantize="gguf") == floats
+    assert [name for name in read if name.endswith("_proj.weight")] == []
+    assert any(name.endswith("input_layernorm.weight") for name in read)
     num_layers = json.loads((resolve_model(str(path)) / "config.json").read_text())["num_hidden_layers"]
     assert len(on_blocks) == num_layers * 4
     assert all(isinstance(parts, parts_type) for parts in on_blocks.values())
