@@ -46,6 +46,50 @@ def converted_by_llama_cpp(smollm2_dir, tmp_path, arch: str, outtype: str, **con
     (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
     path = tmp_path / f"{arch}.{outtype}.gguf"
     env = {**os.environ, "PYTHONPATH": f"{LLAMA_CPP / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
-    subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(folder), "--outtype", outtype,
                     "--outfile", str(path)], env=env, check=True, capture_output=True)
     return folder, path
+
+
+# convert_hf_to_gguf.py run as it is, save one thing: its Gemma 2 vocabulary is SentencePiece's only, and its
+# Phi-3's too unless tokenizer_config names GPT2Tokenizer (Phi-4's); both need a tokenizer.model, which SmolLM2 has
+# not. There they take the BPE tokenizer.json as its Gemma 3 (and Phi-4) do. The tensors and the model's metadata
+# are the converter's own.
+_CONVERT = """
+import runpy, sys
+source = sys.argv.pop(1)
+sys.path.insert(0, source)
+from conversion.gemma import Gemma2Model
+from conversion.phi import Phi3MiniModel
+Gemma2Model.set_vocab = Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv[0] = source + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def with_blocks(f32_path: Path, out_path: Path, block_type: str) -> Path:
+    """A copy of an F32 GGUF file (from converted_by_llama_cpp) whose decoder layers' matrices are `block_type`
+    blocks (Q4_0, Q4_1), quantized by the gguf package as llama-quantize would store them; every other tensor and
+    every metadata field as they were. Stands in for llama-quantize, a CMake build these tests do without."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(f32_path)
+    writer = gguf.GGUFWriter(str(out_path), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the writer's own
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    kind = gguf.GGMLQuantizationType[block_type]
+    for tensor in reader.tensors:
+        weight = np.asarray(tensor.data, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        if tensor.name.startswith("blk.") and weight.ndim == 2:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor.name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

@@ -42,6 +42,7 @@ def models(
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
     typer.echo("Any local Hugging Face folder, .gguf file or hub id also works: pagecli chat -m MODEL")
+    typer.echo(_architectures())
     if adapters:
         _describe_adapters(adapters)
 
@@ -69,6 +70,14 @@ def _describe_adapters(values: list[str]) -> None:
 
     for name, path in lora_pairs(values):
         typer.echo(f"lora         {describe_folder(name, path)}")
+
+
+def _architectures() -> str:
+    """The architectures pagecli runs, and the GGUF files it converts (without torch or numpy)."""
+    from pagecli.models.gguf_files import SUPPORTED_GGUF_ARCHITECTURES
+    from pagecli.models.spec import SUPPORTED_NAMES
+
+    return f"Architectures: {SUPPORTED_NAMES}. GGUF files of: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}."
 
 
 def _weights_path(gguf_path, folder) -> str:

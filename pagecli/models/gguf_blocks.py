@@ -129,6 +129,11 @@ _PRODUCTS = {
     ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
     ("mlp", "down_proj"): ("ffn_down",),
 }
+# Phi-3's files hold q/k/v as one attn_qkv and gate/up as one ffn_up (gate's rows first), as its checkpoint does.
+_FUSED_PRODUCTS = {
+    ("self_attn", "qkv_proj"): ("attn_qkv",),
+    ("mlp", "gate_up_proj"): ("ffn_up",),
+}
 # A mixture of experts' products, per expert (module mlp.experts.N), from the stacked expert tensors.
 _EXPERT_PRODUCTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 
@@ -142,12 +147,14 @@ _CHECKPOINT_LINEARS = {
 }
 
 
-def weights_replaced(index: int, products: dict[tuple[str, str], Any]) -> frozenset[str]:
+def weights_replaced(index: int, products: dict[tuple[str, str], Any],
+                     fused_checkpoint: bool = False) -> frozenset[str]:
     """The model's weights of decoder layer `index` that its products on GGUF blocks (GgufBlocks.layer)
-    replace: their converted floats need not be read. A bias stays: the products take it from the Linear."""
+    replace: their converted floats need not be read. A bias stays: the products take it from the Linear.
+    fused_checkpoint: the checkpoint holds qkv_proj and gate_up_proj themselves (Phi-3's, DecoderSpec's)."""
     return frozenset(f"model.layers.{index}.{module}.{linear}.weight"
                      for (module, product), parts in products.items() if parts is not None
-                     for linear in _CHECKPOINT_LINEARS[product])
+                     for linear in ((product,) if fused_checkpoint else _CHECKPOINT_LINEARS[product]))
 
 
 def expert_slice(tensor: Any, expert: int) -> Any:
@@ -182,7 +189,7 @@ class GgufBlocks:
         products: dict[tuple[str, str], Any] = {}
         rotary_heads = {"attn_q": self.num_heads, "attn_k": self.num_kv_heads} if self.rows_permuted else {}
         experts = f"blk.{index}.ffn_gate_exps.weight" in self.tensors
-        for (module, product), names in _PRODUCTS.items():
+        for (module, product), names in self._products(index).items():
             if experts and module == "mlp":
                 continue
             tensors = [self._tensor(index, name) for name in names]
@@ -194,6 +201,17 @@ class GgufBlocks:
                     products[(f"mlp.experts.{expert}", product)] = stacked_parts(
                         [expert_slice(tensor, expert) for tensor in stacked])
         self._release_pages()
+        return products
+
+    def _products(self, index: int) -> dict[tuple[str, str], tuple[str, ...]]:
+        """Layer `index`'s fused products and the GGUF tensors each stacks: Phi-3's fused tensors where the file
+        has them (a product of one tensor), else the separate ones."""
+        products = dict(_PRODUCTS)
+        for key, (fused,) in _FUSED_PRODUCTS.items():
+            separate = [name for name in _PRODUCTS[key] if name != fused]
+            if f"blk.{index}.{fused}.weight" in self.tensors and not any(
+                    f"blk.{index}.{name}.weight" in self.tensors for name in separate):
+                products[key] = (fused,)
         return products
 
     def _tensor(self, index: int, name: str) -> Any:

@@ -2,9 +2,10 @@
 
 Dequantization is exact (every quantized value becomes the float32 it stands for), and
 llama.cpp's reordering of the q/k projection rows is undone (its converter reorders llama's only:
-Qwen2's and Qwen3's rotary is already the rotate-half kind), so the folder loads in
+Qwen2's, Qwen3's, Gemma's and Phi-3's rotary is already the rotate-half kind), so the folder loads in
 transformers and in pagecli's own decoders like any checkpoint from the Hub. A mixture of experts' stacked
-expert tensors become the checkpoint's per-expert weights (gguf_experts).
+expert tensors become the checkpoint's per-expert weights (gguf_experts); Gemma's and Phi-3's differences
+from llama's file are gguf_families'.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from pagecli.errors import ModelError
-from pagecli.models import gguf_experts
+from pagecli.models import gguf_experts, gguf_families
+from pagecli.models.gguf_files import SUPPORTED_GGUF_ARCHITECTURES
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
 # The model types (of the converted folder) whose GGUF q/k rows llama.cpp's converter reorders: those it
 # writes as `llama` files (unpermute_rotary_rows undoes it).
 PERMUTED_ROTARY_ARCHITECTURES = ("llama", "mixtral")
@@ -30,6 +31,7 @@ _HF_MODEL = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    **gguf_families.HF_MODELS,
 }
 
 # Bounds the float32 weights held in memory at once; the 135M default fits in one file.
@@ -91,7 +93,9 @@ def _read_header(gguf_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         )
     # GGUF order: innermost dimension first
     tensor_shapes = {tensor.name: tuple(int(dim) for dim in tensor.shape) for tensor in reader.tensors}
-    return reader, metadata, _decoder_config(gguf_path, architecture, metadata, tensor_shapes, _token_count(reader))
+    config = _decoder_config(gguf_path, architecture, metadata, tensor_shapes, _token_count(reader))
+    config.update(gguf_families.family_config(gguf_path, architecture, reader, metadata, config))
+    return reader, metadata, config
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -152,10 +156,9 @@ def _decoder_config(
     experts = gguf_experts.has_experts(arch, metadata)
     if arch in gguf_experts.MOE_MODELS and arch != "llama" and not experts:
         raise ModelError(f"GGUF file '{gguf_path}' is a '{arch}' file without expert_count; it cannot be converted.")
-    if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") not in (
-        "none",
-        "linear",
-    ):
+    # Phi-3's longrope comes from its factor tensors (gguf_families)
+    rebuilt_scalings = ("none", "linear", "longrope") if arch == "phi3" else ("none", "linear")
+    if "rope_freqs.weight" in tensor_names or metadata.get(f"{arch}.rope.scaling.type", "none") not in rebuilt_scalings:
         raise ModelError(
             f"GGUF file '{gguf_path}' uses a RoPE scaling that pagecli cannot rebuild from GGUF; "
             "pass the model's Hugging Face folder or hub id instead."
@@ -209,13 +212,14 @@ def _eos_token_ids(metadata: dict[str, Any]) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for one no supported architecture has."""
+def _hf_tensor_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor of `arch`; None for one that architecture does not have."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSOR_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}"
+    layer_names = {**_LAYER_TENSOR_NAMES, **gguf_families.LAYER_TENSOR_NAMES.get(arch, {})}
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
@@ -223,11 +227,12 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
     """(HF name, float32 array in HF layout) for every tensor, one at a time."""
     from gguf import dequantize
 
-    for tensor in reader.tensors:
+    arch = _architecture(reader)
+    for tensor in _weight_tensors(reader):
         match = _LAYER_TENSOR.fullmatch(tensor.name)
         expert = match is not None and gguf_experts.is_expert_tensor(match.group(2)) and (
             "num_experts" in config or "num_local_experts" in config)
-        hf_name = _hf_tensor_name(tensor.name)
+        hf_name = _hf_tensor_name(tensor.name, arch)
         if hf_name is None and not expert:
             raise ModelError(
                 f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
@@ -243,6 +248,7 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
         # GGUF lists dimensions innermost first; HF is [out_features, in_features] ([experts, out, in] stacked).
         hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
+        weight = gguf_families.hf_weight(arch, tensor.name, weight)
         if expert:
             yield from gguf_experts.hf_expert_tensors(config["model_type"], int(match.group(1)), match.group(2), weight)
             continue
@@ -255,12 +261,23 @@ def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterato
         yield hf_name, np.ascontiguousarray(weight)
 
 
+def _architecture(reader: Any) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _weight_tensors(reader: Any) -> list[Any]:
+    """The file's tensors that are checkpoint weights: all but those read into the config (Phi-3's rope factors)."""
+    config_tensors = gguf_families.CONFIG_TENSORS.get(_architecture(reader), ())
+    return [tensor for tensor in reader.tensors if tensor.name not in config_tensors]
+
+
 def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir: Path) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors plus an index past MAX_SHARD_BYTES."""
     from safetensors.numpy import save_file
 
     shard_sizes: list[int] = [0]
-    for tensor in reader.tensors:
+    for tensor in _weight_tensors(reader):
         # a stacked expert tensor ([in, out, experts]) is written as one weight per expert, packed as _hf_tensors
         # yields them (so the shard count named in the files is the count written)
         pieces = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1
@@ -295,13 +312,19 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
 # GGUF architectures whose files transformers' AutoTokenizer refuses (it reads their model config first); their
 # tokenizer is built from the file's tokenizer.ggml.* fields alone, as the generic fast tokenizer.
 _TOKENIZER_FROM_FIELDS_ONLY = ("olmoe",)
+# ... and those whose model type's tokenizer class (Gemma's, Phi-3's) presumes a SentencePiece vocabulary: it puts
+# its own pre-tokenizer over a byte-level BPE one (tokenizer.ggml.model gpt2: Phi-4's, or a Gemma file made with
+# another model's BPE vocabulary), which then splits text as no BPE does.
+_GENERIC_FOR_BPE = tuple(gguf_families.HF_MODELS)
 
 
 def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer_class = (PreTrainedTokenizerFast if metadata.get("general.architecture") in _TOKENIZER_FROM_FIELDS_ONLY
-                       else AutoTokenizer)
+    architecture = metadata.get("general.architecture")
+    generic = architecture in _TOKENIZER_FROM_FIELDS_ONLY or (
+        architecture in _GENERIC_FOR_BPE and metadata.get("tokenizer.ggml.model") == "gpt2")
+    tokenizer_class = PreTrainedTokenizerFast if generic else AutoTokenizer
     try:
         tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                     trust_remote_code=False)
@@ -318,11 +341,12 @@ def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str
 
 
 def _write_configs(config: dict[str, Any], out_dir: Path) -> None:
-    from transformers import (GenerationConfig, LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GenerationConfig, LlamaConfig, MixtralConfig, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
-                    "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig}[config["model_type"]]
+                    "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig, "gemma2": Gemma2Config,
+                    "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config}[config["model_type"]]
     config_class(**{key: value for key, value in config.items() if key != "model_type"}).save_pretrained(str(out_dir))
     generation_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     GenerationConfig(**{key: value for key, value in generation_ids.items() if value is not None}).save_pretrained(

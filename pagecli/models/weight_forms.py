@@ -79,7 +79,7 @@ class WeightPlacer:
             return frozenset({"model.embed_tokens.weight"}) if tied_q8 else frozenset()
         products = self._gguf_blocks(model).layer(index)
         self._gguf_products[index] = products
-        return gguf_blocks.weights_replaced(index, products)
+        return gguf_blocks.weights_replaced(index, products, model.spec.fused_checkpoint)
 
     def layer_ready(self, model: CausalLM, index: int) -> None:
         """load_model's layer_ready hook: decoder layer `index` in its form, once its weights are in."""
