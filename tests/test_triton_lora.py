@@ -57,7 +57,7 @@ def test_each_segment_gains_its_adapters_scaled_product_and_base_rows_stay(dtype
     x = torch.randn(88, in_features, generator=g).to(DEVICE, dtype)
     out = torch.randn(88, out_features, generator=g).to(DEVICE, dtype)
     expected = reference(out, x, a, b, SEGMENTS)
-    got = lora_add(out.clone(), x, a, b, lora_tiles(SEGMENTS, x.device))
+    got = lora_add(out.clone(), x, a, b, lora_tiles(SEGMENTS, dtype, x.device))
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     base_rows = [0, 43, 44, 86, 87]
@@ -68,13 +68,14 @@ def test_each_segment_gains_its_adapters_scaled_product_and_base_rows_stay(dtype
 def test_decode_rows_take_small_tiles_and_long_segments_are_cut():
     from pagecli.kernels.lora import MAX_BLOCK_M, lora_tiles
 
-    decode = lora_tiles([(0, 1, 0, 1.0), (1, 3, 1, 1.0), (3, 4, 2, 1.0)], None)
+    decode = lora_tiles([(0, 1, 0, 1.0), (1, 3, 1, 1.0), (3, 4, 2, 1.0)], torch.bfloat16, None)
     assert (decode.block_m, decode.num_tiles) == (16, 3)
-    prefill = lora_tiles([(0, 1, 0, 1.0), (1, 1 + 2 * MAX_BLOCK_M + 5, 1, 0.5)], None)
+    prefill = lora_tiles([(0, 1, 0, 1.0), (1, 1 + 2 * MAX_BLOCK_M + 5, 1, 0.5)], torch.bfloat16, None)
     assert (prefill.block_m, prefill.num_tiles) == (MAX_BLOCK_M, 4)
     assert prefill.meta.tolist() == [[0, 1, 1 + MAX_BLOCK_M, 1 + 2 * MAX_BLOCK_M], [1, MAX_BLOCK_M, MAX_BLOCK_M, 5],
                                      [0, 1, 1, 1]]
     assert prefill.scale.tolist() == [1.0, 0.5, 0.5, 0.5]
+    assert lora_tiles([(0, 200, 0, 1.0)], torch.float32, None).block_m == MAX_BLOCK_M // 2, "float32: fewer registers"
 
 
 def test_a_tile_of_the_base_slot_adds_nothing():
@@ -83,7 +84,7 @@ def test_a_tile_of_the_base_slot_adds_nothing():
     a, b = stacks(32, 48, torch.float32)
     x = torch.randn(4, 32, device=DEVICE)
     out = torch.randn(4, 48, device=DEVICE)
-    got = lora_add(out.clone(), x, a, b, lora_tiles([(0, 2, -1, 1.0), (2, 4, 1, 1.0)], x.device))
+    got = lora_add(out.clone(), x, a, b, lora_tiles([(0, 2, -1, 1.0), (2, 4, 1, 1.0)], x.dtype, x.device))
     assert torch.equal(got[:2], out[:2])
     torch.testing.assert_close(got.double(), reference(out, x, a, b, [(2, 4, 1, 1.0)]), rtol=1e-5, atol=1e-5)
 

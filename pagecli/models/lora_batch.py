@@ -154,7 +154,7 @@ def _triton_rows(spans: list[LoraSpan], slots: AdapterSlots, device: torch.devic
     from pagecli.kernels.lora import lora_tiles
 
     segments = [(span.start, span.end, slots.slot_of[id(span.adapter)], span.scale) for span in spans]
-    return TritonRows(slots, lora_tiles(segments, device))
+    return TritonRows(slots, lora_tiles(segments, slots.dtype, device))
 
 
 def _native_rows(spans: list[LoraSpan], num_tokens: int, slots: AdapterSlots,
