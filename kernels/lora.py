@@ -63,13 +63,9 @@ def lora_tiles(segments: Sequence[tuple[int, int, int, float]], dtype: torch.dty
             counts.append(min(block_m, end - tile_start))
             slots.append(slot)
             scales.append(scale)
-    meta = torch.tensor([starts, counts, slots], dtype=torch.int32)  # [3, tiles]
-    scale = torch.tensor(scales, dtype=torch.float32)  # [tiles]
-    pinned = device is not None and device.type == "cuda"
-    if pinned:
-        meta, scale = meta.pin_memory(), scale.pin_memory()
-    return LoraTiles(meta.to(device, non_blocking=pinned), scale.to(device, non_blocking=pinned), len(starts),
-                     block_m)
+    meta = torch.tensor([starts, counts, slots], dtype=torch.int32, device=device)  # [3, tiles]
+    scale = torch.tensor(scales, dtype=torch.float32, device=device)  # [tiles]
+    return LoraTiles(meta, scale, len(starts), block_m)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])  # the tile count changes every step: no recompiles
@@ -181,7 +177,9 @@ def lora_add(
     num_tokens, in_features = x.shape
     slots, rank, out_features = b.shape
     assert a.shape == (slots, rank, in_features) and out.shape == (num_tokens, out_features)
-    assert x.stride(1) == 1 and out.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1, "rows must be contiguous"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert out.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1, "out's and the stacks' rows must be contiguous"
     assert a.dtype == b.dtype == x.dtype, "the adapters' stacks take the activations' dtype"
     if tiles.num_tiles == 0 or rank == 0:
         return out

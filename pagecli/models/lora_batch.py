@@ -140,7 +140,6 @@ class LoraBatch:
         delta = torch.bmm(down, b)  # [spans, longest, out]
         out.index_add_(0, short.rows, delta.view(-1, out.shape[1]))
 
-
     def _add_triton(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         from pagecli.kernels.lora import lora_add
 
