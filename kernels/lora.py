@@ -8,7 +8,7 @@ across the grid's second axis, one block of rank or output columns), reading its
 loaded adapters' stacks (models/lora_slots.py: [slots, rank, in] and [slots, rank, out]). Rows of the base
 model are in no tile and are not touched; a tile with slot -1 does nothing. BLOCK_M follows the step's
 longest segment: 16 for decode steps (a few rows per adapter; tl.dot's minimum), up to 64 for a prompt's
-chunk. Products accumulate in float32; float32 inputs use the IEEE dot (no TF32), and in Triton's
+chunk (32 in float32). Products accumulate in float32; float32 inputs use the IEEE dot (no TF32), and in Triton's
 interpreter every input is widened first (kernels/common.py: its bf16 dot is wrong).
 """
 
@@ -42,7 +42,7 @@ class LoraTiles:
 
 
 def max_block_m(dtype: torch.dtype) -> int:
-    """Rows per tile for long segments: 64, or 32 for float32, whose IEEE dots at 64 rows hold 140-255 registers
+    """Rows per tile for long segments: 64, or 32 for float32, whose IEEE dots at 64 rows hold 138-255 registers
     a thread (12-19% occupancy on sm_80 and sm_90: python -m pagecli.attention.aot_lora)."""
     return MAX_BLOCK_M // 2 if dtype == torch.float32 else MAX_BLOCK_M
 
@@ -162,6 +162,7 @@ def _lora_expand_kernel(
 
 
 def shrink_block_k(dtype: torch.dtype) -> int:
+    """The shrink's K tile: half for float32, whose IEEE dot keeps twice the bytes of a tile in registers."""
     return BLOCK_K // 2 if dtype == torch.float32 else BLOCK_K
 
 
