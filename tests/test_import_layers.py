@@ -35,7 +35,8 @@ LAYERS = [
     ("pagecli.cluster",),  # Ray workers and driver
     ("pagecli.doctor",),
     # the commands: the CLI, and the `python -m` entry points of lower packages, which report on the whole
-    ("pagecli.cli", "pagecli.__main__", "pagecli.native.__main__", "pagecli.attention.aot"),
+    ("pagecli.cli", "pagecli.__main__", "pagecli.native.__main__", "pagecli.attention.aot",
+     "pagecli.attention.aot_lora"),
 ]
 
 

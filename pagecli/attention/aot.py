@@ -167,7 +167,8 @@ class Specialization:
 
 _ABBREVIATIONS = {"GROUP": "g", "GROUP_PAD": "gpad", "BLOCK_SIZE": "bs", "HEAD_DIM_PAD": "d", "BLOCK_N": "n",
                   "NUM_SPLITS": "splits", "SPLITS_PAD": "spad", "FP32_DOT": "ieee", "BLOCK_Q": "q", "BLOCK_M": "m",
-                  "HEADS_PAD": "heads", "KV_FORMAT": "kv", "SLIDING": "window", "SOFTCAP": "cap"}
+                  "HEADS_PAD": "heads", "KV_FORMAT": "kv", "SLIDING": "window", "SOFTCAP": "cap",
+                  "BLOCK_K": "k", "BLOCK_R": "r"}
 
 
 # --- the matrix: what the backend launches --------------------------------------------------------
@@ -232,13 +233,15 @@ def _forced_splits(decode_module: Any, num_splits: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _recording_launches() -> Iterator[list[Specialization]]:
-    """Replace each kernel's launch with a recorder of the specialization Triton would compile for it."""
+def _recording_launches(module_names: tuple[str, ...] = ("decode", "prefill", "store_kv")
+                        ) -> Iterator[list[Specialization]]:
+    """Replace each kernel's launch (in those modules of pagecli.kernels) with a recorder of the specialization
+    Triton would compile for it."""
     import importlib
 
     from triton.runtime.jit import JITFunction
 
-    modules = [importlib.import_module(f"pagecli.kernels.{name}") for name in ("decode", "prefill", "store_kv")]
+    modules = [importlib.import_module(f"pagecli.kernels.{name}") for name in module_names]
     kernels = [value for module in modules for value in vars(module).values()
                if isinstance(value, JITFunction) and value.__name__.endswith("_kernel")]
     if not kernels:

@@ -46,8 +46,9 @@ def adapter_fingerprint(model_fingerprint: str, content_hash: str) -> str:
 
 class AdapterRegistry:
     def __init__(self, pairs: Iterable[tuple[str, str]], spec: DecoderSpec, dtype: torch.dtype, device: torch.device,
-                 max_loras: int, max_rank: int, model_fingerprint: str, ops: Any = None) -> None:
-        """ops: pagecli's CPU kernels, which then add the adapters' rows (models/lora_slots.AdapterSlots)."""
+                 max_loras: int, max_rank: int, model_fingerprint: str, ops: Any = None, triton: bool = False) -> None:
+        """ops: pagecli's CPU kernels, which then add the adapters' rows (models/lora_slots.AdapterSlots);
+        triton: the Triton kernels add them instead (the engine's attention backend is Triton's)."""
         self.spec, self.dtype, self.device = spec, dtype, device
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -56,7 +57,7 @@ class AdapterRegistry:
         for name, path in pairs:
             self.register(name, path)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
-        self.slots = AdapterSlots(ops)  # the loaded adapters stacked, for a step's rows of many adapters
+        self.slots = AdapterSlots(ops, triton)  # the loaded adapters stacked, for a step's rows of many adapters
         self.loads = 0
 
     def register(self, name: str, path: str) -> AdapterInfo:

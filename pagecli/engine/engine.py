@@ -158,7 +158,8 @@ class Engine:
         # LoRA adapters: checked now (a mismatched one stops here), loaded on first use; not in the pool's budget.
         per_request = () if self.merged_lora is not None else self.config.loras
         self.adapters = AdapterRegistry(per_request, spec, loaded.dtype, loaded.device, self.config.max_loras,
-                                        self.config.max_lora_rank, self.fingerprint, cpu_ops)
+                                        self.config.max_lora_rank, self.fingerprint, cpu_ops,
+                                        triton=self.backend.name == "triton")
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
         if loaded.device.type == "cpu":

@@ -8,8 +8,11 @@ adapters' stacked pairs (models/lora_slots.py) in two batched products, the resu
 so a step of many adapters costs a few operations per product, not a few per adapter. Long spans (a prompt's
 chunk) run on their adapter's own pair, on contiguous slices, with no padding. With pagecli's CPU kernels
 holding the stacks (AdapterSlots.native), every row instead takes its add from one kernel call per product
-(lora_add.h: rows grouped by adapter), and the one-call decode step runs adapter rows too (NativeRows). The
-step's LoraBatch is passed down the forward explicitly; no module holds per-step state.
+(lora_add.h: rows grouped by adapter), and the one-call decode step runs adapter rows too (NativeRows). With
+the Triton attention backend (a CUDA device) every adapter row, short span or long, takes its add from two
+segmented kernel launches per product (pagecli.kernels.lora: TritonRows); the PyTorch way stays for other
+devices and as the reference. The step's LoraBatch is passed down the forward explicitly; no module holds
+per-step state.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ class NativeRows:
     row_scale: torch.Tensor  # [num_tokens] float32
 
 
+@dataclass(frozen=True)
+class TritonRows:
+    """Every adapter row of a step for the Triton kernels: tiles of one span each over the slots' stacks."""
+
+    slots: AdapterSlots
+    tiles: Any  # pagecli.kernels.lora.LoraTiles (imported with triton, on the Triton path only)
+
+
 _PRODUCT_INDEX = {product: index for index, product in enumerate(PRODUCTS)}
 
 
@@ -63,6 +74,7 @@ class LoraBatch:
     spans: tuple[LoraSpan, ...]  # the long spans, each on its own adapter's pair
     short: ShortSpans | None = None
     native: NativeRows | None = None  # set: the CPU kernels add every row (spans and short are then empty)
+    triton: TritonRows | None = None  # set: the Triton kernels add every row (the others are then empty)
 
     @staticmethod
     def from_rows(rows: Iterable[tuple[LoraAdapter | None, float, int]], slots: AdapterSlots | None = None,
@@ -83,8 +95,11 @@ class LoraBatch:
             start = end
         if not spans:
             return None
-        if slots is not None and slots.native is not None and all(id(span.adapter) in slots.slot_of for span in spans):
+        every_span_loaded = slots is not None and all(id(span.adapter) in slots.slot_of for span in spans)
+        if every_span_loaded and slots.native is not None:
             return LoraBatch((), None, _native_rows(spans, start, slots, device))
+        if every_span_loaded and slots.triton:
+            return LoraBatch((), triton=_triton_rows(spans, slots, device))
         if slots is None:
             return LoraBatch(tuple(spans))
         is_short = [span.end - span.start <= SHORT_SPAN_ROWS and id(span.adapter) in slots.slot_of for span in spans]
@@ -99,6 +114,8 @@ class LoraBatch:
         if self.native is not None:
             self.native.stacks.add(layer, _PRODUCT_INDEX[product], x, out, self.native.row_slot, self.native.row_scale)
             return out
+        if self.triton is not None:
+            return self._add_triton(layer, product, x, out)
         for span in self.spans:
             pair = span.adapter.layers[layer].get(product)
             if pair is None:
@@ -122,6 +139,21 @@ class LoraBatch:
         down = torch.bmm(gathered, a.transpose(1, 2)) * short.scales  # [spans, longest, rank]
         delta = torch.bmm(down, b)  # [spans, longest, out]
         out.index_add_(0, short.rows, delta.view(-1, out.shape[1]))
+
+    def _add_triton(self, layer: int, product: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from pagecli.kernels.lora import lora_add
+
+        stack = self.triton.slots.stacks[layer].get(product)
+        if stack is None:  # no loaded adapter targets this product in this layer
+            return out
+        return lora_add(out, x, stack[0], stack[1], self.triton.tiles)
+
+
+def _triton_rows(spans: list[LoraSpan], slots: AdapterSlots, device: torch.device | None) -> TritonRows:
+    from pagecli.kernels.lora import lora_tiles
+
+    segments = [(span.start, span.end, slots.slot_of[id(span.adapter)], span.scale) for span in spans]
+    return TritonRows(slots, lora_tiles(segments, slots.dtype, device))
 
 
 def _native_rows(spans: list[LoraSpan], num_tokens: int, slots: AdapterSlots,

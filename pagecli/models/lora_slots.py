@@ -7,7 +7,9 @@ has zeros there. The stacks are rebuilt when the set of loaded adapters changes 
 room): rare, and a copy of the adapters' own bytes. With pagecli's CPU kernels and float32 activations the
 stacks are also handed to them once (`native`, lora_add.h): then every adapter row of a step, decode or
 prompt, in the one-call decode step or the Python layer loop, gets its low-rank add from one kernel whose
-sums run in one order per row, so a request's bits do not depend on the batch it runs in.
+sums run in one order per row, so a request's bits do not depend on the batch it runs in. With the Triton
+attention backend (`triton`) the same stacks feed the segmented Triton kernels (pagecli.kernels.lora), which
+add every adapter row of a step in two launches per product.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from pagecli.models.lora import PRODUCTS, LoraAdapter
 
 
 class AdapterSlots:
-    """ops: pagecli's CPU kernels (None: PyTorch's operations add every row)."""
+    """ops: pagecli's CPU kernels (None: PyTorch's operations add every row); triton: the Triton kernels add
+    every row (the engine runs the Triton attention backend: on CUDA, or interpreted in tests)."""
 
-    def __init__(self, ops: Any = None) -> None:
-        self.ops = ops
+    def __init__(self, ops: Any = None, triton: bool = False) -> None:
+        self.ops = None if triton else ops
+        self.triton = triton
         self.slot_of: dict[int, int] = {}  # id(adapter) -> its slot
         # Per layer, product -> (a [slots, rank, in], b [slots, rank, out]).
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
