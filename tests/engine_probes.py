@@ -33,3 +33,32 @@ def assert_one_call_equals_layer_loop(model, caches: torch.Tensor, forward) -> t
     assert torch.equal(from_cpp, from_python)
     assert torch.equal(cpp_cache, python_cache)
     return cpp_cache
+
+
+def float32_engine(model: str, quantize: str = "none"):
+    """A float32 CPU engine for comparing one model's paths: no disk store, a small pool."""
+    from pagecli.config import EngineConfig
+    from pagecli.engine import Engine
+
+    return Engine(model, EngineConfig(dtype="float32", device="cpu", quantize=quantize, disk_cache=False,
+                                      num_blocks=64))
+
+
+def greedy_tokens(model: str, prompts: list[str], sampling, quantize: str = "none") -> list[list[int]]:
+    with float32_engine(model, quantize) as running:
+        return [list(out.token_ids) for out in running.generate(prompts, sampling)]
+
+
+def record_tensor_reads(monkeypatch) -> list[str]:
+    """The tensor names the loader reads from here on (loader._read_tensors), in order."""
+    from pagecli.models import loader
+
+    read: list[str] = []
+    real = loader._read_tensors
+
+    def spy(names, *rest):
+        read.extend(names)
+        return real(names, *rest)
+
+    monkeypatch.setattr(loader, "_read_tensors", spy)
+    return read

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from architecture_helpers import transformers_model
-from engine_probes import recorded_logits
+from engine_probes import float32_engine as engine, greedy_tokens, recorded_logits, record_tensor_reads
 from llama_cpp_files import LLAMA_CPP, converted_by_llama_cpp, with_blocks
-from pagecli.config import EngineConfig, SamplingParams
-from pagecli.engine import Engine
+from pagecli.config import SamplingParams
 from pagecli.models import gguf_blocks
 from pagecli.models.source import resolve_model
 
@@ -47,14 +46,8 @@ CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  "original_max_position_embeddings")
 
 
-def engine(model: str, quantize: str = "none") -> Engine:
-    config = EngineConfig(dtype="float32", device="cpu", quantize=quantize, disk_cache=False, num_blocks=64)
-    return Engine(model, config)
-
-
 def greedy(model: str, quantize: str = "none") -> list[list[int]]:
-    with engine(model, quantize) as running:
-        return [list(out.token_ids) for out in running.generate(PROMPTS, GREEDY)]
+    return greedy_tokens(model, PROMPTS, GREEDY, quantize)
 
 
 def converted(smollm2_dir, tmp_path, arch: str, outtype: str):
@@ -135,19 +128,10 @@ def assert_blocks_give_the_floats_tokens(path, parts_type, monkeypatch) -> None:
     """--quantize gguf gives the converted floats' greedy tokens, every layer's four products (Phi-3's from its
     fused attn_qkv and ffn_up) on the file's blocks, and the converted floats they replace (the checkpoint's
     qkv_proj and gate_up_proj themselves in Phi-3's) never read."""
-    from pagecli.models import loader
-
     floats = greedy(str(path), quantize="none")
     assert len({token for row in floats for token in row}) > 3
     on_blocks = products_on_blocks(monkeypatch)
-    read: list[str] = []
-    real = loader._read_tensors
-
-    def spy(names, *rest):
-        read.extend(names)
-        return real(names, *rest)
-
-    monkeypatch.setattr(loader, "_read_tensors", spy)
+    read = record_tensor_reads(monkeypatch)
     assert greedy(str(path), quantize="gguf") == floats
     assert [name for name in read if name.endswith("_proj.weight")] == []
     assert any(name.endswith("input_layernorm.weight") for name in read)

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine_probes import recorded_logits
+from engine_probes import float32_engine as engine, greedy_tokens, recorded_logits
 from llama_cpp_files import LLAMA_CPP, converted_by_llama_cpp
-from pagecli.config import EngineConfig, SamplingParams
-from pagecli.engine import Engine
+from pagecli.config import SamplingParams
 from pagecli.errors import ModelError
 from pagecli.models import gguf_blocks
 from pagecli.models.moe import SparseMoE
@@ -30,14 +29,8 @@ GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 LOGIT_ATOL = 1e-4
 
 
-def engine(model: str, quantize: str = "none") -> Engine:
-    config = EngineConfig(dtype="float32", device="cpu", quantize=quantize, disk_cache=False, num_blocks=64)
-    return Engine(model, config)
-
-
 def greedy(model: str, quantize: str = "none") -> list[list[int]]:
-    with engine(model, quantize) as running:
-        return [list(out.token_ids) for out in running.generate(PROMPTS, GREEDY)]
+    return greedy_tokens(model, PROMPTS, GREEDY, quantize)
 
 
 # Q8_0 and Q4_0 blocks hold 32 weights of a row: experts 64 wide (the tiny models' are 48), as llama.cpp's

@@ -9,9 +9,9 @@ import torch
 from native_levels import COMPILED_LEVELS
 
 from pagecli import native
+from engine_probes import record_tensor_reads
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-from pagecli.models import loader
 from pagecli.models import quantize as quantize_module
 from pagecli.models.loader import load_model
 from pagecli.models.quantize import quantize_int8
@@ -91,14 +91,7 @@ def test_a_gguf_models_layers_go_on_the_files_blocks_as_they_load(smollm2_dir):
 def test_the_floats_a_gguf_models_blocks_replace_are_never_read(smollm2_dir, monkeypatch):
     """--quantize gguf (the default of a float32 run on the embedded model): reading the converted floats of
     the projections the file's blocks replace took most of the start (issue 48)."""
-    read: list[str] = []
-    real = loader._read_tensors
-
-    def spy(names, *rest):
-        read.extend(names)
-        return real(names, *rest)
-
-    monkeypatch.setattr(loader, "_read_tensors", spy)
+    read = record_tensor_reads(monkeypatch)
     with Engine(str(smollm2_dir), EngineConfig(dtype="float32", disk_cache=False, quantize="gguf")) as engine:
         assert not any(p.is_meta for p in engine.loaded.model.parameters())
         assert engine.generate([[1, 2, 3]], GREEDY)[0].token_ids

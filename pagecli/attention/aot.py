@@ -511,33 +511,54 @@ def _print_list(specs: dict[Specialization, list[str]], as_json: bool) -> None:
     print(f"{len(specs)} specializations")
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pagecli.attention.aot", description=__doc__.split("\n\n")[0])
+def parse_args(prog: str, description: str, grouped_help: str, argv: list[str] | None) -> argparse.Namespace:
+    """The flags of an ahead-of-time check (this module's and aot_lora's)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated (80,86,89,90)")
     parser.add_argument("--sample", action="store_true",
                         help="a covering sample (every axis value at least once) instead of the full matrix")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--grouped", action="store_true",
-                        help="one row per target, kernel, dtype and head size instead of one per compile")
+    parser.add_argument("--grouped", action="store_true", help=grouped_help)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
     parser.add_argument("--list", action="store_true", help="list the specializations and stop, compiling nothing")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+def targets(args: argparse.Namespace) -> list[int] | None:
+    """The --arch targets, or None (said on stderr) when one is unknown or Triton would only interpret."""
     try:
         archs = [int(a) for a in args.arch.split(",") if a.strip()]
     except ValueError:
         archs = []
-    unknown = [a for a in archs if a not in ARCHS]
-    if not archs or unknown:
+    if not archs or any(a not in ARCHS for a in archs):
         print(f"--arch takes compute capabilities among {', '.join(map(str, ARCHS))} (got '{args.arch}').",
               file=sys.stderr)
-        return 2
+        return None
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled; unset it to run this check.",
               file=sys.stderr)
+        return None
+    return archs
+
+
+def report(results: list[CompileResult], num_specs: int, num_archs: int, args: argparse.Namespace) -> int:
+    """Print the results (table or JSON) and their summary; the exit status: 1 when any has a problem."""
+    totals = summary(results)
+    if args.json:
+        print(json.dumps({"summary": totals, "results": [asdict(r) for r in results]}, indent=2))
+    else:
+        print(grouped_table(results) if args.grouped else table(results))
+        print(f"\n{num_specs} distinct specializations over {num_archs} targets: {totals['compiled']} compiled, "
+              f"{totals['failed']} failed, {totals['spilled']} spilled, {totals['over_smem']} over shared memory, "
+              f"{totals['low_occupancy']} below {LOW_OCCUPANCY:.0%} occupancy.")
+    return 1 if any(r.problems for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args("python -m pagecli.attention.aot", __doc__.split("\n\n")[0],
+                      "one row per target, kernel, dtype and head size instead of one per compile", argv)
+    archs = targets(args)
+    if archs is None:
         return 2
     cases = covering_sample() if args.sample else full_matrix()
     specs_per_arch = {arch: collect(cases, arch) for arch in archs}  # the launchers pick tiles per target
@@ -547,15 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = [result for arch, found in specs_per_arch.items()
                for result in compile_all(found, [arch], max(1, args.jobs))]
-    totals = summary(results)
-    if args.json:
-        print(json.dumps({"summary": totals, "results": [asdict(r) for r in results]}, indent=2))
-    else:
-        print(grouped_table(results) if args.grouped else table(results))
-        print(f"\n{len(specs)} distinct specializations over {len(archs)} targets: {totals['compiled']} compiled, "
-              f"{totals['failed']} failed, {totals['spilled']} spilled, {totals['over_smem']} over shared memory, "
-              f"{totals['low_occupancy']} below {LOW_OCCUPANCY:.0%} occupancy.")
-    return 1 if any(r.problems for r in results) else 0
+    return report(results, len(specs), len(archs), args)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,11 @@ engine launches. Exit status 1 when a compile fails, a kernel spills, or its sha
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from pagecli.attention import aot
-from pagecli.kernels.occupancy import ARCHS
 
 
 @dataclass(frozen=True)
@@ -134,46 +130,17 @@ def collect(cases: list[LoraCase]) -> dict[aot.Specialization, list[str]]:
     return found
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pagecli.attention.aot_lora", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="80,86,89,90", help="compute capabilities, comma-separated (80,86,89,90)")
-    parser.add_argument("--sample", action="store_true",
-                        help="a covering sample (every axis value at least once) instead of the full matrix")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--grouped", action="store_true", help="one row per target, kernel and dtype")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
-    parser.add_argument("--list", action="store_true", help="list the specializations and stop, compiling nothing")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
-    try:
-        archs = [int(a) for a in args.arch.split(",") if a.strip()]
-    except ValueError:
-        archs = []
-    if not archs or any(a not in ARCHS for a in archs):
-        print(f"--arch takes compute capabilities among {', '.join(map(str, ARCHS))} (got '{args.arch}').",
-              file=sys.stderr)
-        return 2
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("TRITON_INTERPRET=1 is set: the kernels are interpreted, not compiled; unset it to run this check.",
-              file=sys.stderr)
+    args = aot.parse_args("python -m pagecli.attention.aot_lora", __doc__.split("\n\n")[0],
+                          "one row per target, kernel and dtype", argv)
+    archs = aot.targets(args)
+    if archs is None:
         return 2
     specs = collect(covering_sample() if args.sample else full_matrix())
     if args.list:
         aot._print_list(specs, args.json)
         return 0
-    results = aot.compile_all(specs, archs, max(1, args.jobs))
-    totals = aot.summary(results)
-    if args.json:
-        print(json.dumps({"summary": totals, "results": [asdict(r) for r in results]}, indent=2))
-    else:
-        print(aot.grouped_table(results) if args.grouped else aot.table(results))
-        print(f"\n{len(specs)} distinct specializations over {len(archs)} targets: {totals['compiled']} compiled, "
-              f"{totals['failed']} failed, {totals['spilled']} spilled, {totals['over_smem']} over shared memory, "
-              f"{totals['low_occupancy']} below {aot.LOW_OCCUPANCY:.0%} occupancy.")
-    return 1 if any(r.problems for r in results) else 0
+    return aot.report(aot.compile_all(specs, archs, max(1, args.jobs)), len(specs), len(archs), args)
 
 
 if __name__ == "__main__":
