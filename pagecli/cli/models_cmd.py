@@ -74,8 +74,7 @@ def _describe_adapters(values: list[str]) -> None:
 
 def _architectures() -> str:
     """The architectures pagecli runs, and the GGUF files it converts (without torch or numpy)."""
-    from pagecli.models.gguf_files import SUPPORTED_GGUF_ARCHITECTURES
-    from pagecli.models.spec import SUPPORTED_NAMES
+    from pagecli.models.spec import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_NAMES
 
     return f"Architectures: {SUPPORTED_NAMES}. GGUF files of: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}."
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from pagecli.errors import ModelError
 from pagecli.models import gguf_experts, gguf_families
-from pagecli.models.gguf_files import SUPPORTED_GGUF_ARCHITECTURES
+from pagecli.models.spec import SUPPORTED_GGUF_ARCHITECTURES
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
 # The model types (of the converted folder) whose GGUF q/k rows llama.cpp's converter reorders: those it

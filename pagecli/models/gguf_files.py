@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# The GGUF architectures (general.architecture) gguf_convert converts; here, where `pagecli models` lists them.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma2", "gemma3", "phi3")
 AS_IS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as they are; Q4_* run in 4 bits, Q8_0 requantized to int8
 # GGML's type ids (ggml.h, gguf.GGMLQuantizationType) of the types most files hold; a test keeps them equal.
 _COMMON_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",

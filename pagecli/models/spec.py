@@ -35,6 +35,8 @@ SUPPORTED_NAMES = ("Llama 2/3, SmolLM/SmolLM2 (llama), Mistral, Qwen2/Qwen2.5 (q
                    "Gemma 2 (gemma2), Gemma 3 text (gemma3_text), Phi-3/3.5/4 (phi3), Mixtral (mixtral), "
                    "Qwen3-MoE (qwen3_moe), OLMoE (olmoe)")
 MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+# The GGUF architectures (general.architecture) models/gguf_convert.py converts (`pagecli models` lists them).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma2", "gemma3", "phi3")
 # Architectures whose o_proj has a bias when attention_bias is set (the others' never has one).
 _O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
