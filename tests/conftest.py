@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -20,6 +21,11 @@ from user_files import user_files  # noqa: E402
 # test that touches pagecli.kernels runs them in the interpreter, on the CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A shell's background job (`cmd &`) starts with Ctrl-C ignored, and Python then leaves it so: the tests of
+# Ctrl-C in chat need the handler a terminal's run has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The compiled CPU kernels (pagecli.native) build once per machine into the user's cache (install.sh
 # builds them); the isolated PAGECLI_HOME below would otherwise rebuild them in every test. That
