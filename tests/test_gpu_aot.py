@@ -7,32 +7,24 @@ Runs on the CPU (Triton compiles ahead of time with the ptxas its wheel ships); 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from aot_runs import compiled_report, run_check
 from pagecli.attention import aot
 from pagecli.kernels.occupancy import ARCHS, theoretical_occupancy
 
 
 def _aot(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, don't interpret
-    return subprocess.run([sys.executable, "-m", "pagecli.attention.aot", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_check("pagecli.attention.aot", *args)
 
 
 @pytest.mark.timeout(300)
 def test_every_axis_value_compiles_for_sm80_sm86_and_sm90_without_spills_within_shared_memory():
     # sm_86 (and sm_89, alike here) holds less shared memory and spilled where sm_80 did not (a 16-bit prefill
     # over an int8 cache at head size 256, at 8 warps).
-    run = _aot("--sample", "--arch", "80,86,90", "--json")
-    report = json.loads(run.stdout)
-    problems = [f"sm_{r['arch']} {r['kernel']} {r['dtype']} {r['specialization']}: {'; '.join(r['problems'])}"
-                for r in report["results"] if r["problems"]]
-    assert problems == [], "\n".join(problems)
-    assert run.returncode == 0, run.stderr[-2000:]
+    report = {"results": compiled_report("pagecli.attention.aot", "--sample", "--arch", "80,86,90")}
     kernels = {(r["kernel"], r["arch"]) for r in report["results"]}
     assert kernels == {(k, a) for k in ("store_kv", "decode", "merge_splits", "prefill") for a in (80, 86, 90)}
     # The quantized-cache variants (--kv-dtype int8|fp8) of the kernels that touch the cache, with every model dtype.

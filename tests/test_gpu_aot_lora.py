@@ -7,29 +7,21 @@ Runs on the CPU (Triton compiles ahead of time with the ptxas its wheel ships); 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from aot_runs import compiled_report, run_check
 from pagecli.attention import aot, aot_lora
 
 
 def _aot_lora(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, don't interpret
-    return subprocess.run([sys.executable, "-m", "pagecli.attention.aot_lora", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_check("pagecli.attention.aot_lora", *args)
 
 
 @pytest.mark.timeout(300)
 def test_the_lora_kernels_compile_for_sm80_sm86_and_sm90_without_spills_at_a_quarter_occupancy_or_more():
-    run = _aot_lora("--sample", "--arch", "80,86,90", "--json")
-    report = json.loads(run.stdout)
-    problems = [f"sm_{r['arch']} {r['kernel']} {r['dtype']} {r['specialization']}: {'; '.join(r['problems'])}"
-                for r in report["results"] if r["problems"]]
-    assert problems == [], "\n".join(problems)
-    assert run.returncode == 0, run.stderr[-2000:]
+    report = {"results": compiled_report("pagecli.attention.aot_lora", "--sample", "--arch", "80,86,90")}
     compiled = {(r["kernel"], r["arch"], r["dtype"]) for r in report["results"]}
     assert compiled == {(k, a, d) for k in ("lora_shrink", "lora_expand") for a in (80, 86, 90)
                         for d in ("bf16", "fp16", "fp32")}

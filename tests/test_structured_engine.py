@@ -286,7 +286,9 @@ def test_smollm2_answers_follow_a_schema(smollm2_dir):
                                      "$ref": "#/$defs/a"}])
 def test_a_schema_that_admits_nothing_is_refused_before_its_request_runs(tiny_model_factory, schema):
     engine = make_engine(tiny_model_factory("llama"))
-    with pytest.raises(RequestError, match="admits no output"):
+    # xgrammar 0.2.9 refuses such a $ref chain itself at compile time; older versions compile it and pagecli
+    # finds the grammar admits nothing: either way one sentence, before the request runs.
+    with pytest.raises(RequestError, match=r"admits no output|cannot be compiled: Circular \$ref chain"):
         engine.add_request("Hi", SamplingParams(structured=StructuredSpec.json_schema(schema)))
     assert not engine.has_unfinished
 
