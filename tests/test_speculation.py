@@ -10,7 +10,7 @@ from native_levels import COMPILED_LEVELS
 from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
-from pagecli.engine.ngram_proposer import propose
+from pagecli.engine.ngram_proposer import NgramIndex
 from pagecli.models.loader import load_model
 
 # Prompts that repeat themselves, so a random model's greedy output (which loops) and lookup meet.
@@ -37,11 +37,33 @@ def outputs(engine: Engine, prompts=PROMPTS, sampling=GREEDY) -> list[tuple[tupl
     return [(c.token_ids, c.text, c.finish_reason) for c in done]
 
 
+def propose(token_ids, max_tokens, max_ngram=3, min_ngram=1, window=4096):
+    """The reference NgramIndex is held to: a backward scan for the latest earlier occurrence of the longest
+    matching suffix n-gram (what the engine ran before the index)."""
+    total = len(token_ids)
+    if max_tokens <= 0 or total < min_ngram + 1:
+        return []
+    start = max(0, total - window)
+    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+        suffix = list(token_ids[total - n :])
+        for at in range(total - n - 1, start - 1, -1):  # ends before the suffix's own last token
+            if token_ids[at] == suffix[0] and list(token_ids[at : at + n]) == suffix:
+                follow = list(token_ids[at + n : at + n + max_tokens])
+                if follow:
+                    return follow
+    return []
+
+
+def lookup(token_ids, max_tokens):
+    return NgramIndex(3).propose(token_ids, max_tokens)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
-    assert propose([5, 6, 7], 4) == []  # nothing repeats
-    assert propose([4, 4, 4, 4], 2) == [4]  # the latest earlier match, cut at the end of what is known
-    assert propose([1, 2, 1, 2], 0) == []
+    for proposer in (lookup, propose):
+        assert proposer([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+        assert proposer([5, 6, 7], 4) == []  # nothing repeats
+        assert proposer([4, 4, 4, 4], 2) == [4]  # the latest earlier match, cut at the end of what is known
+        assert proposer([1, 2, 1, 2], 0) == []
 
 
 @pytest.mark.parametrize("config", [
@@ -194,8 +216,6 @@ def test_the_ngram_index_proposes_what_a_scan_does():
     """NgramIndex (kept as a sequence grows) against propose() (a scan), at every length of random token
     runs over small vocabularies (many repeats), several draft counts, n-gram sizes and windows."""
     import random
-
-    from pagecli.engine.ngram_proposer import NgramIndex
 
     rng = random.Random(0)
     for trial in range(60):
