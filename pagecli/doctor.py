@@ -338,13 +338,11 @@ def _default_kernels_and_blocks(device: Any) -> tuple[Any, Any]:
 def _default_weight_plan(dtype: Any, device: Any) -> str:
     """The weight plan (pagecli.models.weight_plan) of the embedded model at the default settings: how its
     weights are kept and what runs them, by the engine's own rule."""
-    from pagecli import native
     from pagecli.config.settings import EngineConfig
     from pagecli.models.weight_plan import plan_weights
 
     ops, gguf_types = _default_kernels_and_blocks(device)
-    plan = plan_weights(dtype, device, EngineConfig().quantize, ops, native.level() if ops is not None else "torch",
-                        gguf_types)
+    plan = plan_weights(dtype, device, EngineConfig().quantize, ops, gguf_types)
     return plan.describe()
 
 

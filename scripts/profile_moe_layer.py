@@ -50,7 +50,7 @@ def build_layer():
     config = OlmoeConfig(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
                          num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)
     ops = native.cpu_ops()
-    plan = plan_weights(torch.float32, torch.device("cpu"), "int4", ops, native.level())
+    plan = plan_weights(torch.float32, torch.device("cpu"), "int4", ops)
     torch.manual_seed(0)
     moe = SparseMoE(DecoderSpec.from_hf_config(config, "olmoe-1b-7b shape"))
     with torch.no_grad():

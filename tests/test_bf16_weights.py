@@ -1,4 +1,4 @@
-"""Float32 models run their products on 16-column panels at the avx2 level (pagecli.native's
+"""Float32 models run their products on 16-column panels on every compiled level (pagecli.native's
 F32PanelLinear), weights that hold only bfloat16 values (converted from a bf16 checkpoint) kept in
 bf16: half the bytes, the same numbers; other weights in float32.
 
@@ -78,12 +78,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 13, 17], [3, 4], [7] * 23, [11, 30, 2, 8, 8, 8, 40, 41, 42]]
 
 
-@pytest.fixture
-def everywhere(monkeypatch):
-    """The avx2 level's choice on any machine: every level's build has the kernel (AVX2 and FMA)."""
-    monkeypatch.setattr(weight_plan, "float_panels_offered", lambda ops, level: bool(ops.has_bf16_weight_linear()))
-
-
 def bf16_checkpoint(folder, dest):
     """A copy of a tiny model folder stored in bfloat16, as most published checkpoints are."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -101,7 +95,7 @@ def engine_for(folder, **config) -> Engine:
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])  # own output layer; tied; q/k/v biases
-def test_a_bf16_checkpoint_in_float32_keeps_only_bf16_panels(tiny_model_factory, tmp_path, everywhere, arch):
+def test_a_bf16_checkpoint_in_float32_keeps_only_bf16_panels(tiny_model_factory, tmp_path, arch):
     folder = bf16_checkpoint(tiny_model_factory(arch), tmp_path / arch)
     with engine_for(folder) as engine:
         model = engine.loaded.model
@@ -118,7 +112,7 @@ def test_a_bf16_checkpoint_in_float32_keeps_only_bf16_panels(tiny_model_factory,
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
-def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(tiny_model_factory, tmp_path, everywhere,
+def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(tiny_model_factory, tmp_path,
                                                                         arch):
     from transformers import AutoModelForCausalLM
 
@@ -140,7 +134,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_same_weights(tiny_mo
     assert list(out.token_ids) == tokens.tolist()
 
 
-def test_greedy_output_does_not_depend_on_batching(tiny_model_factory, tmp_path, everywhere):
+def test_greedy_output_does_not_depend_on_batching(tiny_model_factory, tmp_path):
     folder = bf16_checkpoint(tiny_model_factory("llama3", head_dim=32), tmp_path / "m")
     with engine_for(folder) as engine:
         alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
@@ -148,7 +142,7 @@ def test_greedy_output_does_not_depend_on_batching(tiny_model_factory, tmp_path,
     assert together == alone
 
 
-def test_float32_weights_go_on_float32_panels(tiny_model_factory, everywhere):
+def test_float32_weights_go_on_float32_panels(tiny_model_factory):
     with engine_for(tiny_model_factory("llama3")) as engine:  # random float32 values: not bf16
         model = engine.loaded.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -156,14 +150,13 @@ def test_float32_weights_go_on_float32_panels(tiny_model_factory, everywhere):
         assert model.output_packed.panels.dtype == torch.float32 and model.decode_step is not None
 
 
-def test_the_avx2_level_alone_keeps_bf16_weights_unless_turned_off(tiny_model_factory, tmp_path, monkeypatch):
+def test_every_level_keeps_bf16_weights_unless_turned_off(tiny_model_factory, tmp_path, monkeypatch):
     ops = native.cpu_ops()
-    assert weight_plan.float_panels_offered(ops, native.level()) == (native.level() == "avx2")
-    if native.level() == "avx2":
-        folder = bf16_checkpoint(tiny_model_factory("llama3"), tmp_path / "m")
-        with engine_for(folder) as engine:  # the real choice, no fixture: this level keeps bf16
-            assert type(engine.loaded.model.output_packed).__name__ == "F32PanelLinear"
-        monkeypatch.setenv(weight_plan.FLOAT_PANELS_VAR, "0")
-        assert not weight_plan.float_panels_offered(ops, native.level())
-        with engine_for(folder) as engine:
-            assert all(m.packed is None for m in engine.loaded.model.modules() if isinstance(m, Linear))
+    assert weight_plan.float_panels_offered(ops)  # every level's build has the kernel (AVX2 and FMA)
+    folder = bf16_checkpoint(tiny_model_factory("llama3"), tmp_path / "m")
+    with engine_for(folder) as engine:
+        assert type(engine.loaded.model.output_packed).__name__ == "F32PanelLinear"
+    monkeypatch.setenv(weight_plan.FLOAT_PANELS_VAR, "0")
+    assert not weight_plan.float_panels_offered(ops)
+    with engine_for(folder) as engine:
+        assert all(m.packed is None for m in engine.loaded.model.modules() if isinstance(m, Linear))

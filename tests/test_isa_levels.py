@@ -80,7 +80,7 @@ def test_python_m_pagecli_native_names_the_quantized_products_kernels(capsys):
     assert ("activations rounded to int8" in line) == (ops.int8_linear_kind() == "avx512_vnni")
     assert f"==> weights: {native.weight_pages()}" in out
     line = next(line for line in out.splitlines() if line.startswith("==> a float32 model's weights: "))
-    assert ("bf16 where every value is a bfloat16" in line) == weight_plan.float_panels_offered(ops, native.level())
+    assert ("bf16 where every value is a bfloat16" in line) == weight_plan.float_panels_offered(ops)
 
 
 @pytest.mark.parametrize(("setting", "env", "expected"), [

@@ -588,7 +588,7 @@ def test_the_decode_step_as_one_team_matches_the_python_layer_loop_at_any_thread
         if dtype == "bfloat16" and not weight_plan.bf16_panels_offered(ops):
             pytest.skip("bf16 weights in the packed GEMM's panels only on AVX512-BF16 CPUs without AMX (AMX reads "
                         "them as they lie): DecodeStep runs kernel by kernel")
-        if quantize == "none" and dtype == "float32" and not weight_plan.float_panels_offered(ops, native.level()):
+        if quantize == "none" and dtype == "float32" and not weight_plan.float_panels_offered(ops):
             pytest.skip("float32 products on F32PanelLinear only at the avx2 level")
         if quantize != "none" and not ops.int8_linear_kind():
             pytest.skip("no AVX2 quantized products in this build")

@@ -31,30 +31,31 @@ def kernels(kind: str = "avx2", packed: bool = False, amx: bool = False, panels:
 Q4_1_FILE = {"Q4_1": 210}
 
 
-@pytest.mark.parametrize(("dtype", "ops", "level", "gguf", "expected"), [
-    (torch.float32, kernels(), "avx2", Q4_1_FILE, "gguf"),  # the embedded model on an AVX2 CPU
-    (torch.float32, kernels("avx512_vnni"), "avx512", Q4_1_FILE, "gguf"),  # float32 rounds to int16 everywhere
-    (torch.bfloat16, kernels("avx512_vnni"), "avx512", Q4_1_FILE, "none"),  # bf16 would round to int8
-    (torch.float32, None, "torch", Q4_1_FILE, "none"),  # no kernels: the converted floats
-    (torch.float32, kernels(""), "avx2", Q4_1_FILE, "none"),  # kernels without quantized products
-    (torch.float32, kernels(), "avx2", None, "none"),  # not from a GGUF file
-    (torch.float32, kernels(), "avx2", {"Q6_K": 30, "F16": 2}, "none"),  # no blocks that run as they lie
+@pytest.mark.parametrize(("dtype", "ops", "gguf", "expected"), [
+    (torch.float32, kernels(), Q4_1_FILE, "gguf"),  # the embedded model on an AVX2 CPU
+    (torch.float32, kernels("avx512_vnni"), Q4_1_FILE, "gguf"),  # float32 rounds to int16 everywhere
+    (torch.bfloat16, kernels("avx512_vnni"), Q4_1_FILE, "none"),  # bf16 would round to int8
+    (torch.float32, None, Q4_1_FILE, "none"),  # no kernels: the converted floats
+    (torch.float32, kernels(""), Q4_1_FILE, "none"),  # kernels without quantized products
+    (torch.float32, kernels(), None, "none"),  # not from a GGUF file
+    (torch.float32, kernels(), {"Q6_K": 30, "F16": 2}, "none"),  # no blocks that run as they lie
 ])
-def test_auto_runs_a_gguf_files_blocks_only_where_that_is_exact_to_2_16(dtype, ops, level, gguf, expected):
-    plan = plan_weights(dtype, CPU, "auto", ops, level, gguf)
+def test_auto_runs_a_gguf_files_blocks_only_where_that_is_exact_to_2_16(dtype, ops, gguf, expected):
+    plan = plan_weights(dtype, CPU, "auto", ops, gguf)
     assert plan.quantize == expected and plan.requested == "auto"
     assert plan.why.startswith("--quantize auto")
 
 
 def test_the_unquantized_forms_follow_the_dtype_and_the_level():
-    f32 = plan_weights(torch.float32, CPU, "none", kernels(), "avx2")
+    f32 = plan_weights(torch.float32, CPU, "none", kernels())
     assert (f32.decoder, f32.output, f32.decode_step) == ("float-panels", "float-panels", True)
-    assert plan_weights(torch.float32, CPU, "none", kernels(), "avx512").decoder == "float"  # panels: avx2 only
-    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True), "avx512")
+    assert plan_weights(torch.float32, CPU, "none", kernels("avx512_vnni", packed=True)).decoder == "float-panels"
+    assert plan_weights(torch.float32, CPU, "none", kernels(panels=False)).decoder == "float"  # a build without them
+    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True))
     assert (bf16.decoder, bf16.output, bf16.pack_floats, bf16.row_kernel) == ("bf16-panels", "bf16-panels", True, True)
-    amx = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True, amx=True), "amx")
+    amx = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True, amx=True))
     assert amx.decoder == "float" and not amx.pack_floats  # the AMX kernels read the weights as they lie
-    torch_path = plan_weights(torch.float32, CPU, "none", None, "torch")
+    torch_path = plan_weights(torch.float32, CPU, "none", None)
     assert (torch_path.decoder, torch_path.native, torch_path.decode_step) == ("float", False, False)
 
 
@@ -62,37 +63,37 @@ def test_switches_turn_the_panels_and_the_team_off(monkeypatch):
     monkeypatch.setenv("PAGECLI_BF16_WEIGHTS", "0")
     monkeypatch.setenv("PAGECLI_PACKED_GEMM", "0")
     monkeypatch.setenv("PAGECLI_DECODE_TEAM", "0")
-    assert plan_weights(torch.float32, CPU, "none", kernels(), "avx2").decoder == "float"
-    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True), "avx512")
+    assert plan_weights(torch.float32, CPU, "none", kernels()).decoder == "float"
+    bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True))
     assert bf16.decoder == "float" and not bf16.decode_team
 
 
 def test_quantized_forms_round_activations_by_dtype_and_fall_back_to_pytorch_without_kernels():
-    int4 = plan_weights(torch.bfloat16, CPU, "int4", kernels("avx512_vnni"), "avx512")
+    int4 = plan_weights(torch.bfloat16, CPU, "int4", kernels("avx512_vnni"))
     assert (int4.decoder, int4.output, int4.int16_activations, int4.decode_step) == ("int4", "int8", False, True)
-    assert plan_weights(torch.float32, CPU, "int8", kernels("avx512_vnni"), "avx512").int16_activations
-    reference = plan_weights(torch.float32, CPU, "int8", None, "torch")
+    assert plan_weights(torch.float32, CPU, "int8", kernels("avx512_vnni")).int16_activations
+    reference = plan_weights(torch.float32, CPU, "int8", None)
     assert (reference.int8_native, reference.decode_step) == (False, False)
-    vnni_gguf = plan_weights(torch.bfloat16, CPU, "gguf", kernels("avx512_vnni"), "avx512", Q4_1_FILE)
+    vnni_gguf = plan_weights(torch.bfloat16, CPU, "gguf", kernels("avx512_vnni"), Q4_1_FILE)
     assert not vnni_gguf.q8_0_as_is and vnni_gguf.output == "float"  # Q8_0 requantized; the output keeps floats
-    avx2_gguf = plan_weights(torch.float32, CPU, "gguf", kernels(), "avx2", Q4_1_FILE)
+    avx2_gguf = plan_weights(torch.float32, CPU, "gguf", kernels(), Q4_1_FILE)
     assert avx2_gguf.q8_0_as_is and avx2_gguf.output == "gguf"
     assert [avx2_gguf.gguf_form(t) for t in ("Q4_0", "Q4_1", "Q8_0", "Q6_K")] == ["int4", "int4", "int8", "float"]
 
 
 def test_what_cannot_run_is_refused_in_one_sentence():
     with pytest.raises(PagecliError, match="CPU only"):
-        plan_weights(torch.bfloat16, torch.device("cuda"), "int4", None, "torch")
+        plan_weights(torch.bfloat16, torch.device("cuda"), "int4", None)
     with pytest.raises(PagecliError, match="not loaded from a .gguf file"):
-        plan_weights(torch.float32, CPU, "gguf", kernels(), "avx2", None)
+        plan_weights(torch.float32, CPU, "gguf", kernels(), None)
     with pytest.raises(PagecliError, match="--quantize must be"):
-        plan_weights(torch.float32, CPU, "int3", kernels(), "avx2")
+        plan_weights(torch.float32, CPU, "int3", kernels())
 
 
 def test_every_form_is_described():
     for dtype, quantize, gguf in ((torch.float32, "none", None), (torch.float32, "gguf", Q4_1_FILE),
                                   (torch.bfloat16, "int8", None), (torch.bfloat16, "int4", None)):
-        plan = plan_weights(dtype, CPU, quantize, kernels("avx512_vnni", packed=True), "avx512", gguf)
+        plan = plan_weights(dtype, CPU, quantize, kernels("avx512_vnni", packed=True), gguf)
         line = plan.describe()
         assert FORMS[plan.decoder] in line and str(dtype).removeprefix("torch.") in line
         assert plan.summary().startswith(str(dtype).removeprefix("torch."))

@@ -13,7 +13,7 @@ The forms (FORMS below says each in words):
   row kernels: AMX tiles, AVX512-BF16 rows, oneDNN, by shape).
 - `bf16-panels`: a bf16 model's weights repacked once into the packed GEMM's panels (AVX512-BF16 without
   AMX): a row's result has the same bits in any batch.
-- `float-panels`: a float32 model's weights in 16-column panels at the avx2 level, kept in bf16 where
+- `float-panels`: a float32 model's weights in 16-column panels (every level), kept in bf16 where
   every value is a bfloat16 (a model converted from bf16: half the bytes, the same values).
 - `int8`: int8 with a bf16 scale per output channel and 64-block (quantize.py).
 - `int4`: 4-bit groups of 32 with an fp16 scale and minimum (quantize_int4.py).
@@ -61,7 +61,7 @@ QUANTIZED = ("int8", "int4", "gguf")
 
 _OFF = ("0", "false", "no", "off")
 PACKED_GEMM_VAR = "PAGECLI_PACKED_GEMM"  # 0: bf16 models keep row-layout weights (A/B runs)
-FLOAT_PANELS_VAR = "PAGECLI_BF16_WEIGHTS"  # 0: float32 models keep PyTorch's products at avx2 (A/B runs)
+FLOAT_PANELS_VAR = "PAGECLI_BF16_WEIGHTS"  # 0: float32 models keep PyTorch's products (A/B runs)
 DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"  # 0: a parallel region per kernel in the decode step (A/B runs)
 
 
@@ -77,13 +77,14 @@ def bf16_panels_offered(ops: CpuOps | None) -> bool:
         and not ops.has_amx()
 
 
-def float_panels_offered(ops: CpuOps | None, level: str) -> bool:
-    """Whether float32 models put their weights in float32 panels (bf16 where exact): at the avx2 level,
-    where float32 is the default dtype because the CPU has no bf16 arithmetic, unless
-    PAGECLI_BF16_WEIGHTS=0. Halves the bytes a decode step reads where the weights allow; the products
-    are the same numbers, summed in another order than PyTorch's."""
-    return ops is not None and not _switched_off(FLOAT_PANELS_VAR) and bool(ops.has_bf16_weight_linear()) \
-        and level == "avx2"
+def float_panels_offered(ops: CpuOps | None) -> bool:
+    """Whether float32 models put their weights in float32 panels (bf16 where exact), on every compiled
+    level (each build has the AVX2 + FMA kernel), unless PAGECLI_BF16_WEIGHTS=0. Halves the bytes a decode
+    step reads where the weights allow, and a row's result has the same bits alone or in any batch: a
+    prompt gives the same logits whole, in chunks or after a prefix hit (PyTorch's float32 GEMM sums a few
+    rows otherwise than many; tests/test_native_prefill_bits.py). The products are the same numbers,
+    summed in another order than PyTorch's."""
+    return ops is not None and not _switched_off(FLOAT_PANELS_VAR) and bool(ops.has_bf16_weight_linear())
 
 
 def decode_team_wanted() -> bool:
@@ -151,11 +152,10 @@ class WeightPlan:
         return "; ".join(parts) + f" ({self.why})"
 
 
-def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None, level: str,
+def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None,
                  gguf_types: Mapping[str, int] | None = None, llama_shaped: bool = True) -> WeightPlan:
     """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
-    kernels (None on a GPU or without them); level: their instruction-set level (pagecli.native.level());
-    gguf_types: how many decoder matrices each GGUF type holds, for a model converted from a .gguf file
+    kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for a model converted from a .gguf file
     (gguf_files.tensor_types), else None; llama_shaped: whether the architecture's layers are the ones the
     one-call decode step runs (DecoderSpec.llama_shaped: not Gemma's soft-capping, sliding layers, norms
     after each block and GeGLU, nor partial rotary). Refuses --quantize off the CPU, and gguf for another model."""
@@ -171,7 +171,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     int16 = dtype == torch.float32  # float32 models round to int16 on every level; bf16/fp16 to int8 where VNNI
     q8_0_as_is = int8_native and (int16 or ops.int8_linear_kind() == "avx2")
     resolved, why = _resolve(quantize, dtype, ops, int8_native, int4_native, int16, gguf_types)
-    float_form = ("float-panels" if dtype == torch.float32 and float_panels_offered(ops, level)
+    float_form = ("float-panels" if dtype == torch.float32 and float_panels_offered(ops)
                   else "bf16-panels" if dtype == torch.bfloat16 and bf16_panels_offered(ops) else "float")
     decoder = float_form if resolved == "none" else resolved
     if resolved in ("int8", "int4"):
@@ -230,7 +230,7 @@ def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | Non
     if ops.has_amx() and not one_stream:
         return False
     # float32 is the dtype whose blocks --quantize auto runs: where its plan would run them, take it
-    return plan_weights(torch.float32, device, "auto", ops, "", gguf_types).quantize == "gguf"
+    return plan_weights(torch.float32, device, "auto", ops, gguf_types).quantize == "gguf"
 
 
 def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device, quantize: str,
@@ -240,7 +240,6 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
     from, if any, read through the folder's index. The engine loads the model in plan.dtype. hf_config: the
     folder's config where the caller has read it already (load_hf_config); one_stream: the run decodes one
     sequence at a time (blocks_choose_float32)."""
-    from pagecli import native
     from pagecli.models import gguf_files
     from pagecli.models.loader import load_hf_config, resolve_dtype
     from pagecli.models.spec import DecoderSpec
@@ -262,5 +261,4 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
         if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types, one_stream):
             dtype = torch.float32
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
-    return plan_weights(dtype, device, quantize, ops, native.level() if ops is not None else "torch", gguf_types,
-                        spec.llama_shaped)
+    return plan_weights(dtype, device, quantize, ops, gguf_types, spec.llama_shaped)

@@ -71,7 +71,7 @@ def weight_forms(ops: CpuOps, dtype_name: str) -> str:
 
     from pagecli.models.weight_plan import plan_weights
 
-    plan = plan_weights(getattr(torch, dtype_name), torch.device("cpu"), "none", ops, native.level())
+    plan = plan_weights(getattr(torch, dtype_name), torch.device("cpu"), "none", ops)
     return plan.describe()
 
 
