@@ -1,4 +1,4 @@
-// The AVX2 quantized products (int8 weights in quant_int8.cpp, 4-bit ones in quant_int4.cpp): the
+// The quantized products of float32 models (int8 weights in quant_int8.cpp, 4-bit ones in quant_int4.cpp): the
 // activations rounded to int16 per row and block of 64 along k, multiplied by the weights widened to
 // int16 with vpmaddwd (16 products an instruction, summed in pairs into int32 lanes), each group's
 // exact integer sums scaled in fp32 once per group. AVX2 has no dot product of two signed int8
@@ -23,6 +23,8 @@
 // one panel), 2 R P int32 sums, the fp32 totals in memory between groups. Each output adds its groups in order
 // whatever the tile, and a group's integer sums are exact, so a row gets the same bits alone or in any
 // batch and any tiling.
+// On AVX-512 builds, products of 4 or more rows run the same sums on 512-bit tiles of up to 8 rows by 2
+// panels (tile_kernel512): the same bits, 2-3x the prompt rate.
 
 #pragma once
 
@@ -173,6 +175,84 @@ void tile_kernel(const Pairs& w, const Tile& t) {
   store_tile(&acc[0][0][0], 2 * P * 8, R, t.bias, t.y, t.N, t.cols);
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGECLI_PANEL_I16_512 1
+// The same products on 512-bit registers, for tiles of many rows (prompts, batches) on AVX-512 CPUs: a
+// panel's k pair widened once into one register (the format's widen512: columns 0-15 in order, two int16
+// per int32 lane) serves up to 8 rows by 2 panels, each row's pair broadcast once for both panels, and one
+// vpdpwssd (AVX512-VNNI; else vpmaddwd and vpaddd) a row and panel adds 32 products where AVX2 takes three
+// instructions for 16. The integer sums are the same numbers (exact: |xq| <= 32767, no pair saturates) and
+// each group is folded by the format's fold512, lane for lane the operations of its fold, in the same group
+// order: the outputs are the AVX2 tile's bits, so a row's result does not depend on which tile ran it.
+constexpr PanelTiling kI16Tiling512{8, 8};
+// Rows from which a product takes the 512-bit tiles: below it (decode) the AVX2 tile of one panel streams
+// the weights from memory as one run, which is what bounds a step of a few rows.
+constexpr int64_t kI16Rows512 = 4;
+
+inline __m512i madd_pairs512(__m512i sum, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(sum, w, x);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(w, x));
+#endif
+}
+
+template <int R, int P, typename Pairs>
+void tile_kernel512(const Pairs& w, const Tile& t) {
+  constexpr int64_t kGroupPairs = Pairs::kGroupPairs, kGroupK = 2 * kGroupPairs;
+  alignas(64) float acc[R][P][16] = {};  // the fp32 totals, in memory between groups (the sums fill the registers)
+  const int64_t groups = t.Kp / kGroupK;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int q = 0; q < P; ++q) sum[r][q] = _mm512_setzero_si512();
+    }
+    const int16_t* xg = t.xq + g * kGroupK;
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < kGroupPairs; ++j) {
+      __m512i wv[P];
+#pragma GCC unroll 2
+      for (int q = 0; q < P; ++q) wv[q] = w.widen512(t.panel + q, g * kGroupPairs + j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xg + r * t.Kp + 2 * j, sizeof(pair));
+        const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+        for (int q = 0; q < P; ++q) sum[r][q] = madd_pairs512(sum[r][q], wv[q], xv);
+      }
+    }
+    const int64_t block = g * kGroupK / kAct16Block, group32 = g * kGroupK / kAct16Group;
+#pragma GCC unroll 2
+    for (int q = 0; q < P; ++q) {
+      const typename Pairs::Scales512 scales = w.scales512(t.panel + q, g);  // once for the tile's rows
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float d = t.d[r * (t.Kp / kAct16Block) + block], gsum = t.gsum[r * (t.Kp / kAct16Group) + group32];
+        _mm512_store_ps(acc[r][q], Pairs::fold512(scales, _mm512_cvtepi32_ps(sum[r][q]), d, gsum, _mm512_load_ps(acc[r][q])));
+      }
+    }
+  }
+  store_tile(&acc[0][0][0], P * 16, R, t.bias, t.y, t.N, t.cols);
+}
+
+// f(std::integral_constant<int, R>()) for R = rows, 1 <= rows <= kMax: each tile size its own kernel.
+template <int kMax, int R = 1, typename F>
+void with_rows_upto(int64_t rows, const F& f) {
+  if constexpr (R <= kMax) {
+    if (rows == R) return f(std::integral_constant<int, R>());
+    return with_rows_upto<kMax, R + 1>(rows, f);
+  } else {
+    TORCH_CHECK(false, "panel product: no int16 tile of ", rows, " rows");
+  }
+}
+#else
+#define PAGECLI_PANEL_I16_512 0
+#endif
+
 }  // namespace panel_i16
 
 // x [M, K] float32 (rows K apart) times the panels of `w` (+ bias [N] fp32) -> y [M, N] float32,
@@ -189,10 +269,26 @@ void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, 
   const Rows16 rows = Rows16::in(memory, M, K);
   round_rows16(x, M, K, rows);
   const int64_t Kp = rows.Kp;
-  for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
+  const auto tile_at = [&](int64_t panel, int64_t m0, int64_t cols) {
     const int64_t c0 = panel * kPanelF32Cols;
-    const Tile t{panel, rows.xq + m0 * Kp, rows.d + m0 * (Kp / kAct16Block), rows.gsum + m0 * (Kp / kAct16Group),
-                 bias ? bias + c0 : nullptr, y + m0 * N + c0, Kp, N, cols};
+    return Tile{panel, rows.xq + m0 * Kp, rows.d + m0 * (Kp / kAct16Block), rows.gsum + m0 * (Kp / kAct16Group),
+                bias ? bias + c0 : nullptr, y + m0 * N + c0, Kp, N, cols};
+  };
+#if PAGECLI_PANEL_I16_512
+  if (M >= kI16Rows512) {
+    for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
+      const Tile t = tile_at(panel, m0, cols);
+      if (P == 2) {
+        with_rows_upto<kI16Tiling512.row_block>(n_rows, [&](auto r) { tile_kernel512<decltype(r)::value, 2>(w, t); });
+      } else {
+        with_rows_upto<kI16Tiling512.row_block>(n_rows, [&](auto r) { tile_kernel512<decltype(r)::value, 1>(w, t); });
+      }
+    }, kI16Tiling512);
+    return;
+  }
+#endif
+  for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
+    const Tile t = tile_at(panel, m0, cols);
     TORCH_CHECK(P == 1 && n_rows <= kI16Tiling.row_block, "panel product: no int16 tile of ", n_rows, " rows by ", P, " panels");
     with_tile_rows<1, kI16Tiling.row_block>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
   }, kI16Tiling);

@@ -192,6 +192,32 @@ struct Int4Pairs {
     const __m256 t = _mm256_fmadd_ps(s.min, _mm256_set1_ps(gsum), _mm256_mul_ps(s.scale, isum));
     return _mm256_fmadd_ps(_mm256_set1_ps(d), t, acc);
   }
+
+#if PAGECLI_PANEL_I16_512
+  // The same on a whole panel (columns 0-15 in order, panel_i16.h's 512-bit tiles): each lane's numbers
+  // and operations are widen's, scales' and fold's.
+  __m512i widen512(int64_t p, int64_t j) const {
+    const __m256i v = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (p * pairs + j) * kNibblePairBytes)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, _mm256_set1_epi16(0x0F))),
+                              _mm256_srli_epi16(v, 4), 1);
+  }
+
+  struct Scales512 {
+    __m512 scale, min;
+  };
+
+  Scales512 scales512(int64_t p, int64_t g) const {
+    const uint16_t* sm = scale_min + (p * groups + g) * 2 * kPanelF32Cols;
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm))),
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kPanelF32Cols)))};
+  }
+
+  static __m512 fold512(const Scales512& s, __m512 isum, float d, float gsum, __m512 acc) {
+    const __m512 t = _mm512_fmadd_ps(s.min, _mm512_set1_ps(gsum), _mm512_mul_ps(s.scale, isum));
+    return _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc);
+  }
+#endif
 };
 
 at::Tensor pack_nibble_pairs(const at::Tensor& q) {

@@ -196,6 +196,28 @@ struct Int8Pairs {
   static __m256 fold(const Scales& s, __m256 isum, float d, float, __m256 acc) {
     return _mm256_fmadd_ps(isum, _mm256_mul_ps(_mm256_set1_ps(d), s.ws), acc);
   }
+
+#if PAGECLI_PANEL_I16_512
+  // The same on a whole panel (columns 0-15 in order, panel_i16.h's 512-bit tiles): each lane's numbers
+  // and operations are widen's, scales' and fold's.
+  __m512i widen512(int64_t p, int64_t j) const {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + (p * pairs + j) * kPairBytes)));
+  }
+
+  struct Scales512 {
+    __m512 ws;
+  };
+
+  Scales512 scales512(int64_t p, int64_t block) const {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + (p * blocks + block) * kPanelF32Cols));
+    if constexpr (kHalfScales) return {_mm512_cvtph_ps(bits)};
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};  // bf16 -> fp32
+  }
+
+  static __m512 fold512(const Scales512& s, __m512 isum, float d, float, __m512 acc) {
+    return _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d), s.ws), acc);
+  }
+#endif
 };
 
 at::Tensor pack_int8_pairs(const at::Tensor& q) {
