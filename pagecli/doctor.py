@@ -298,11 +298,9 @@ def _default_run(torch: Any) -> list[Finding]:
     if device.type == "cuda":
         dtype_why = f"the model stores {stored}; a GPU runs 16-bit"
     elif blocks_float32:
-        amx = ops is not None and ops.has_amx()
         dtype_why = (f"the model stores {stored}; this CPU computes bfloat16 natively, but float32 runs the GGUF "
-                     "file's own blocks on the int16 kernels, faster and closer to the file "
-                     + ("for one stream (chat, a one-line generate; many sequences at once take bfloat16 on AMX)"
-                        if amx else "(no AMX here)"))
+                     "file's own blocks on the int16 kernels, faster and closer to the file for one stream (chat, "
+                     "a one-line generate; many sequences at once take bfloat16)")
     elif dtype == torch.bfloat16:
         dtype_why = f"the model stores {stored}; this CPU computes bfloat16 natively (AVX512-BF16 or AMX)"
     elif stored in ("float32", "bfloat16") and not cpu_has_bf16():

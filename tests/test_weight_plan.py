@@ -124,37 +124,25 @@ def test_an_engines_model_holds_the_products_its_plan_names(tiny_model_factory, 
         assert engine.stats().weight_forms == plan.summary()
 
 
-def test_auto_dtype_takes_float32_for_a_gguf_files_blocks_on_bf16_cpus_without_amx(smollm2_dir, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True])
+def test_auto_dtype_takes_the_blocks_for_one_stream_and_bf16_for_many(smollm2_dir, monkeypatch, amx):
+    """On CPUs with bf16 arithmetic (Zen 4/5's AVX512-BF16, AMX), one stream decodes faster on the file's
+    blocks (float32), many sequences in bf16."""
     from pagecli.models import loader
     from pagecli.models.weight_plan import blocks_choose_float32, plan_for_folder
 
-    zen4 = kernels("avx512_vnni", packed=True)
-    assert blocks_choose_float32("auto", CPU, zen4, Q4_1_FILE)
-    assert not blocks_choose_float32("auto", CPU, kernels("avx512_vnni", packed=True, amx=True), Q4_1_FILE)
-    assert not blocks_choose_float32("none", CPU, zen4, Q4_1_FILE)  # the converted floats asked for
-    assert not blocks_choose_float32("auto", CPU, zen4, {"Q6_K": 30})  # nothing runs as it lies
-    assert not blocks_choose_float32("auto", CPU, None, Q4_1_FILE)
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)  # a Zen 4 as resolve_dtype sees it
-    plan = plan_for_folder(smollm2_dir, "auto", CPU, "auto", zen4)
-    assert (plan.dtype, plan.quantize) == (torch.float32, "gguf")
-    assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", zen4).dtype == torch.bfloat16  # as asked
-    assert plan_for_folder(smollm2_dir, "auto", CPU, "none", zen4).dtype == torch.bfloat16
-
-
-def test_auto_dtype_on_amx_takes_the_blocks_for_one_stream_and_bf16_for_many(smollm2_dir, monkeypatch):
-    """On AMX, one stream decodes faster on the file's blocks (float32), many sequences on bf16 tiles."""
-    from pagecli.models import loader
-    from pagecli.models.weight_plan import blocks_choose_float32, plan_for_folder
-
-    amx = kernels("avx512_vnni", packed=True, amx=True)
-    assert blocks_choose_float32("auto", CPU, amx, Q4_1_FILE, one_stream=True)
-    assert not blocks_choose_float32("auto", CPU, amx, Q4_1_FILE, one_stream=False)
-    assert not blocks_choose_float32("none", CPU, amx, Q4_1_FILE, one_stream=True)
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
-    one = plan_for_folder(smollm2_dir, "auto", CPU, "auto", amx, one_stream=True)
+    ops = kernels("avx512_vnni", packed=True, amx=amx)
+    assert blocks_choose_float32("auto", CPU, ops, Q4_1_FILE, one_stream=True)
+    assert not blocks_choose_float32("auto", CPU, ops, Q4_1_FILE, one_stream=False)
+    assert not blocks_choose_float32("none", CPU, ops, Q4_1_FILE, one_stream=True)  # the converted floats asked for
+    assert not blocks_choose_float32("auto", CPU, ops, {"Q6_K": 30}, one_stream=True)  # nothing runs as it lies
+    assert not blocks_choose_float32("auto", CPU, None, Q4_1_FILE, one_stream=True)
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)  # as resolve_dtype sees such a CPU
+    one = plan_for_folder(smollm2_dir, "auto", CPU, "auto", ops, one_stream=True)
     assert (one.dtype, one.quantize) == (torch.float32, "gguf")
-    assert plan_for_folder(smollm2_dir, "auto", CPU, "auto", amx).dtype == torch.bfloat16
-    assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", amx, one_stream=True).dtype == torch.bfloat16
+    assert plan_for_folder(smollm2_dir, "auto", CPU, "auto", ops).dtype == torch.bfloat16
+    assert plan_for_folder(smollm2_dir, "bfloat16", CPU, "auto", ops, one_stream=True).dtype == torch.bfloat16
+    assert plan_for_folder(smollm2_dir, "auto", CPU, "none", ops, one_stream=True).dtype == torch.bfloat16
 
 
 def test_chat_and_a_one_line_generate_run_as_one_stream(tmp_path):

@@ -146,7 +146,8 @@ class EngineConfig:
     def for_one_stream(self) -> EngineConfig:
         """This config for a run that decodes one sequence at a time (chat; a one-line generate): max_num_seqs
         1, which lets `--dtype auto` take the weights fastest for one row (models/weight_plan.py,
-        blocks_choose_float32: on AMX CPUs a GGUF model's own blocks in float32 rather than bf16 floats)."""
+        blocks_choose_float32: on CPUs with bf16 arithmetic a GGUF model's own blocks in float32 rather than bf16
+        floats)."""
         return self if self.max_num_seqs == 1 else replace(self, max_num_seqs=1)
 
     def _check_loras(self) -> None:

@@ -218,16 +218,17 @@ def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | Non
     the file has blocks that run as they lie and the native kernels run them: float32 runs them with
     activations rounded to int16 (the converted floats' numbers to 2^-16), bfloat16 runs the converted floats
     rounded to bf16. A decode row then reads the blocks' 4-5 bits a weight instead of bf16's 16; the int16
-    products gain little from more rows, where bf16's do.
-    - CPUs with bf16 arithmetic but no AMX tiles: float32. Zen 4 (AVX512-BF16), 2 threads: the embedded model
-      decoded at 119 tok/s greedy against 101 in bf16 and llama.cpp Q4_1's 116 (issue 43, llama-bench tg256).
-    - AMX CPUs: float32 for a run of one stream (`one_stream`: at most one sequence at a time: chat, a
-      one-line generate), bf16 otherwise. Xeon with AMX, 1 thread (docs/benchmarks/cpu-peers-amx.md, "The
-      default dtype on AMX"): one stream decodes ~2.1x faster on the blocks, while 16 or 64 sequences, and
-      prompts, run 2-6x faster on AMX's bf16 tiles."""
-    if quantize not in ("auto", "gguf") or device.type != "cpu" or ops is None:
-        return False
-    if ops.has_amx() and not one_stream:
+    products gain less from more rows than bf16's, and a float32 KV cache is twice bf16's bytes.
+    So float32 for a run of one stream (`one_stream`: at most one sequence at a time: chat, a one-line
+    generate), bf16 otherwise, on every CPU with bf16 arithmetic (only there does `auto` offer bf16):
+    - Xeon with AMX, 1 thread (docs/benchmarks/cpu-peers-amx.md, "The default dtype on AMX"): one stream
+      decodes ~2.1x faster on the blocks, while 16 or 64 sequences, and prompts, run 2-6x faster on AMX's
+      bf16 tiles.
+    - AMD Zen 5 (AVX512-BF16, no AMX), 1 thread, with the 512-bit int16 tiles (docs/benchmarks/
+      cpu-without-amx.md, "512-bit int16 tiles"): one stream 1.7x faster on the blocks; 16 sequences
+      1.7-1.9x faster in bf16, 4 about even. (Zen 4, 2 threads, issue 43: one stream 119 tok/s on the
+      blocks against 101 in bf16.)"""
+    if quantize not in ("auto", "gguf") or device.type != "cpu" or ops is None or not one_stream:
         return False
     # float32 is the dtype whose blocks --quantize auto runs: where its plan would run them, take it
     return plan_weights(torch.float32, device, "auto", ops, gguf_types).quantize == "gguf"
