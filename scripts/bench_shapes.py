@@ -16,7 +16,8 @@ contenders alternating within every repetition; medians with the range:
          llama.cpp: the GGUF file's size)
   batch  16 sequences of 256 prompt tokens + 64 new: output tokens / total seconds, as
          llama-batched-bench -npp 256 -ntg 64 -npl 16 reports its whole-run speed
-pagecli runs in its default dtype (bf16 where the CPU has bf16 arithmetic, else float32), once per
+pagecli runs in its default dtype (bf16 where the CPU has bf16 arithmetic, else float32; pp512 and
+tg128 run as one stream, as chat does, where a GGUF file's blocks take float32), once per
 --quantize value (PAGECLI_CPU_ISA picks the kernel level; a value ending in @float32 loads the model
 in float32, whose quantized products round activations to int16; one starting VAR=VALUE: sets that
 variable for its runs, e.g. PAGECLI_BF16_WEIGHTS=0:none@float32;
@@ -43,9 +44,10 @@ from pagecli.engine import Engine
 task, model, threads, quantize, kv_dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 quantize, _, dtype = quantize.partition("@")
 torch.set_num_threads(threads)
-engine = Engine(model, EngineConfig(dtype=dtype or "auto", disk_cache=False, max_num_batched_tokens=4096,
-                                    kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize,
-                                    kv_dtype=kv_dtype))
+config = EngineConfig(dtype=dtype or "auto", disk_cache=False, max_num_batched_tokens=4096,
+                      kv_budget_gib=2.0, max_num_seqs=16, quantize=quantize, kv_dtype=kv_dtype)
+# one sequence at a time, as chat and a one-line generate run it (their `--dtype auto` reads it)
+engine = Engine(model, config if task == "batch" else config.for_one_stream())
 gen = torch.Generator().manual_seed(0)
 def ids(n):
     return torch.randint(100, 40000, (n,), generator=gen).tolist()
