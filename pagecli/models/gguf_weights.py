@@ -1,0 +1,170 @@
+"""The weights a converted GGUF folder leaves in the file: which they are, and their floats on demand.
+
+A Q4_0, Q4_1 or Q8_0 tensor runs as it lies under --quantize gguf (gguf_blocks), so its float32 copy in
+the converted folder was 6-8x the file's bytes on disk for nothing (a 3.8 GB 7B Q4_0 file made a 27 GB
+folder). The converter writes only the other tensors (norms, F32/F16 and the types that do not run as they
+lie) to the folder's safetensors, and names the rest in the folder's record (RECORD_FILE): checkpoint name ->
+GGUF tensor. A path that needs their floats (--quantize none/int8/int4, bf16, a GPU, --merge-lora, the
+transformers comparison) gets them here, dequantized from the file exactly as the converter would have
+written them (gguf_convert.hf_tensors_of). A folder without a record holds every weight itself (one
+converted before the record existed, or a plain Hugging Face folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pagecli.errors import ModelError
+from pagecli.models.gguf_files import AS_IS_TYPES
+
+RECORD_FILE = "gguf-weights.json"
+_RECORD_VERSION = 1
+# The converter's config fields that turning a GGUF tensor into its checkpoint weights reads (gguf_convert).
+_CONFIG_KEYS = ("model_type", "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts")
+_SAMPLE_BYTES = 1 << 16  # bytes of the file read at each of a few offsets for its digest
+
+
+def held_in_file(tensor: Any) -> bool:
+    """Whether a GGUF tensor stays in the file rather than in the converted folder: the block types that
+    gguf_blocks runs as they lie."""
+    return tensor.tensor_type.name in AS_IS_TYPES
+
+
+def write_record(folder: Path, held: dict[str, str], architecture: str, config: dict[str, Any]) -> None:
+    """The record of the weights left in the file (checkpoint name -> GGUF tensor name) into `folder`,
+    where any are; the GGUF architecture and the config fields their conversion needs go with them."""
+    if not held:
+        return
+    record = {"version": _RECORD_VERSION, "architecture": architecture,
+              "config": {key: config[key] for key in _CONFIG_KEYS if key in config}, "tensors": held}
+    (folder / RECORD_FILE).write_text(json.dumps(record))
+
+
+def held_names(folder: Path) -> dict[str, str]:
+    """Checkpoint name -> GGUF tensor name of the weights `folder` leaves in its GGUF file; {} for a folder
+    that holds every weight itself."""
+    record = _record(folder)
+    return dict(record["tensors"]) if record is not None else {}
+
+
+def read_weights(folder: Path, names: list[str]) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, float32 numpy array) for these held weights, dequantized from the folder's GGUF
+    file; a stacked expert tensor is dequantized once for all the names of it asked for together."""
+    from pagecli.models.gguf_convert import hf_tensors_of
+    from pagecli.models.gguf_index import map_file, read_tensors, release_pages
+
+    if not names:
+        return
+    record = _record(folder)
+    if record is None:
+        raise ModelError(f"'{folder}' keeps no weights in a GGUF file.")
+    source = _source(folder)
+    by_tensor: dict[str, set[str]] = {}
+    for name in names:
+        by_tensor.setdefault(record["tensors"][name], set()).add(name)
+    mapping = map_file(source)  # closed when the last view of it goes
+    tensors = read_tensors(source, folder, mapping)
+    for gguf_name, wanted in by_tensor.items():
+        if gguf_name not in tensors:
+            raise ModelError(f"GGUF file '{source}' lacks its tensor '{gguf_name}'; pass the .gguf file again.")
+        for name, weight in hf_tensors_of(source, tensors[gguf_name], record["architecture"], record["config"]):
+            if name in wanted:
+                yield name, weight
+        release_pages(mapping)  # the floats are copies: the file's pages need not stay resident
+
+
+def checkpoint(folder: Path) -> dict[str, Any]:
+    """Every weight of a converted folder as float32 numpy arrays: its safetensors' and those left in the file."""
+    from safetensors.numpy import load_file
+
+    weights: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    weights.update(read_weights(folder, list(held_names(folder))))
+    return weights
+
+
+@contextmanager
+def full_folder(folder: Path) -> Iterator[Path]:
+    """A folder with every weight in its safetensors, for readers that know only checkpoints (transformers):
+    `folder` itself where it keeps none in a GGUF file, else a temporary copy (small files copied, the
+    weights written whole, as float32), removed on exit."""
+    if not held_names(folder):
+        yield folder
+        return
+    temp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.full-", dir=folder.parent))
+    try:
+        write_full_folder(folder, temp)
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def write_full_folder(folder: Path, out: Path) -> None:
+    """`folder`'s config, tokenizer and every weight (float32, one safetensors file) into the folder `out`."""
+    from safetensors.numpy import save_file
+
+    for file in folder.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in (RECORD_FILE,
+                                                                                  "model.safetensors.index.json"):
+            shutil.copy2(file, out / file.name)
+    save_file(checkpoint(folder), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def source_digest(folder: Path) -> str:
+    """What a KV fingerprint knows of the weights left in the file, where the folder holds no floats of
+    them: the record, the file's size, and sampled bytes of the file (the first and a few spread over the
+    tensors: another file of the same shapes differs), as fingerprint.weights_digest samples safetensors.
+    Empty for a folder that holds every weight."""
+    record_path = folder / RECORD_FILE
+    if not record_path.is_file():
+        return ""
+    source = _source(folder)
+    size = source.stat().st_size
+    h = hashlib.blake2b(record_path.read_bytes(), digest_size=16)
+    h.update(size.to_bytes(8, "little"))
+    with source.open("rb") as file:
+        for fraction in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
+            file.seek(max(0, int(size * fraction) - (_SAMPLE_BYTES if fraction else 0)))
+            h.update(file.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _record(folder: Path) -> dict[str, Any] | None:
+    path = folder / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if record["version"] != _RECORD_VERSION or not isinstance(record["tensors"], dict):
+            raise ValueError(f"record version {record.get('version')}")
+        return record
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelError(f"'{path}' is unreadable ({error}); delete '{folder}' and pass the .gguf file again "
+                         "(pagecli converts it anew).") from error
+
+
+def _source(folder: Path) -> Path:
+    """The GGUF file the folder's held weights lie in, checked to be the size it was when converted."""
+    from pagecli.models.gguf_files import gguf_source
+    from pagecli.models.source import CONVERTED_MARKER
+
+    source = gguf_source(folder)
+    try:
+        marker = json.loads((folder / CONVERTED_MARKER).read_text())
+    except (OSError, ValueError):
+        marker = {}
+    if source is None:
+        raise ModelError(f"The weights of '{folder}' lie in the GGUF file '{marker.get('source', '?')}', which is "
+                         "gone; pass the .gguf file as MODEL (pagecli finds or converts it again).")
+    if marker.get("source_bytes") not in (None, source.stat().st_size):
+        raise ModelError(f"The GGUF file '{source}' changed since '{folder}' was converted from it; pass the .gguf "
+                         "file as MODEL (pagecli converts it anew).")
+    return source
