@@ -2,9 +2,9 @@
 
 A Q4_0, Q4_1 or Q8_0 tensor runs as it lies under --quantize gguf (gguf_blocks), so its float32 copy in
 the converted folder was 6-8x the file's bytes on disk for nothing (a 3.8 GB 7B Q4_0 file made a 27 GB
-folder). The converter writes only the other tensors (norms, F32/F16 and the types that do not run as they
-lie) to the folder's safetensors, and names the rest in the folder's record (RECORD_FILE): checkpoint name ->
-GGUF tensor. A path that needs their floats (--quantize none/int8/int4, bf16, a GPU, --merge-lora, the
+folder). The converter writes only the other tensors (norms, F32/F16 weights, and decoder matrices of the
+types that do not run as they lie) to the folder's safetensors, and names the rest (held_in_file) in the
+folder's record (RECORD_FILE): checkpoint name -> GGUF tensor. A path that needs their floats (--quantize none/int8/int4, bf16, a GPU, --merge-lora, the
 transformers comparison) gets them here, dequantized from the file exactly as the converter would have
 written them (gguf_convert.hf_tensors_of). A folder without a record holds every weight itself (one
 converted before the record existed, or a plain Hugging Face folder).
@@ -23,18 +23,26 @@ from typing import Any
 
 from pagecli.errors import ModelError
 from pagecli.models.gguf_files import AS_IS_TYPES
+from pagecli.models.gguf_index import INDEX_FILE
 
 RECORD_FILE = "gguf-weights.json"
+HELD_TYPES = AS_IS_TYPES  # the types left in the file: those gguf_blocks runs as they lie
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _RECORD_VERSION = 1
 # The converter's config fields that turning a GGUF tensor into its checkpoint weights reads (gguf_convert).
 _CONFIG_KEYS = ("model_type", "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts")
+_SHARD_INDEX = "model.safetensors.index.json"
 _SAMPLE_BYTES = 1 << 16  # bytes of the file read at each of a few offsets for its digest
 
 
 def held_in_file(tensor: Any) -> bool:
     """Whether a GGUF tensor stays in the file rather than in the converted folder: the block types that
-    gguf_blocks runs as they lie."""
-    return tensor.tensor_type.name in AS_IS_TYPES
+    gguf_blocks runs as they lie, and the quantized tables outside the decoder layers whatever their type
+    (llama.cpp's Q4_0 files keep the output layer in Q6_K: its float32 copy alone was 14% of a 7B file).
+    Decoder matrices of the other quantized types (K-quants) keep their float32 copy: the gguf package
+    dequantizes them at 18-45 M weights a second, minutes a start for a whole 7B model."""
+    kind = tensor.tensor_type.name
+    return kind in HELD_TYPES or (kind not in _FLOAT_TYPES and not tensor.name.startswith("blk."))
 
 
 def write_record(folder: Path, held: dict[str, str], architecture: str, config: dict[str, Any]) -> None:
@@ -94,8 +102,8 @@ def checkpoint(folder: Path) -> dict[str, Any]:
 @contextmanager
 def full_folder(folder: Path) -> Iterator[Path]:
     """A folder with every weight in its safetensors, for readers that know only checkpoints (transformers):
-    `folder` itself where it keeps none in a GGUF file, else a temporary copy (small files copied, the
-    weights written whole, as float32), removed on exit."""
+    `folder` itself where it keeps none in a GGUF file, else a temporary one beside it (write_full_folder),
+    removed on exit."""
     if not held_names(folder):
         yield folder
         return
@@ -107,15 +115,43 @@ def full_folder(folder: Path) -> Iterator[Path]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def write_full_folder(folder: Path, out: Path) -> None:
-    """`folder`'s config, tokenizer and every weight (float32, one safetensors file) into the folder `out`."""
+def write_full_folder(folder: Path, out: Path, max_shard_bytes: int = 1 << 30) -> None:
+    """`folder`'s config, tokenizer and every weight into the existing folder `out`: its own safetensors
+    copied, the weights left in the file dequantized (float32) into shards of at most max_shard_bytes (one
+    tensor more where one alone is larger: memory stays bounded for a 7B model), all named in
+    model.safetensors.index.json."""
+    from safetensors import safe_open
     from safetensors.numpy import save_file
 
     for file in folder.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and file.name not in (RECORD_FILE,
-                                                                                  "model.safetensors.index.json"):
+        # not the conversion's own files (marker, indexes): the copy is a plain checkpoint folder
+        if file.is_file() and file.suffix != ".safetensors" and not file.name.startswith(".") and \
+                file.name not in (RECORD_FILE, INDEX_FILE, _SHARD_INDEX):
             shutil.copy2(file, out / file.name)
-    save_file(checkpoint(folder), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weight_map: dict[str, str] = {}
+    for number, file in enumerate(sorted(folder.glob("*.safetensors")), 1):
+        name = f"model-kept-{number:05d}.safetensors"
+        shutil.copy2(file, out / name)
+        with safe_open(str(file), framework="numpy") as kept:
+            weight_map.update({key: name for key in kept.keys()})
+    shard: dict[str, Any] = {}
+    shard_bytes, total_bytes, number = 0, 0, 0
+
+    def save() -> None:
+        save_file(shard, str(out / f"model-held-{number:05d}.safetensors"), metadata={"format": "pt"})
+
+    for name, weight in read_weights(folder, list(held_names(folder))):
+        if shard and shard_bytes + weight.nbytes > max_shard_bytes:
+            save()
+            shard, shard_bytes, number = {}, 0, number + 1
+        shard[name] = weight
+        shard_bytes += weight.nbytes
+        total_bytes += weight.nbytes
+        weight_map[name] = f"model-held-{number:05d}.safetensors"
+    if shard:
+        save()
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out / _SHARD_INDEX).write_text(json.dumps(index, indent=2))
 
 
 def source_digest(folder: Path) -> str:
