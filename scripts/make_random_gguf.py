@@ -19,6 +19,7 @@ import numpy as np
 SHAPES = {  # layers, hidden, heads, kv heads, MLP width
     "llama2-7b": (32, 4096, 32, 32, 11008),
     "smollm2-1.7b": (24, 2048, 32, 32, 8192),
+    "tiny": (2, 256, 4, 2, 512),  # for tests
 }
 _TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
                      "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
@@ -40,23 +41,19 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
     return blocks.reshape(rows, -1)
 
 
-def main() -> None:
+def write_random_gguf(out: Path, shape: str = "llama2-7b", block_type: str = "Q4_0") -> None:
+    """The file (module docstring) of this shape, its decoder matrices and embedding table in block_type."""
     import gguf
 
     from pagecli.models.source import default_model_gguf
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
-    ap.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q8_0"))
-    args = ap.parse_args()
-    layers, hidden, heads, kv_heads, mlp = SHAPES[args.shape]
+    layers, hidden, heads, kv_heads, mlp = SHAPES[shape]
     head_dim = hidden // heads
     rng = np.random.default_rng(0)
     source = gguf.GGUFReader(default_model_gguf())
     vocab = len(source.fields["tokenizer.ggml.tokens"].data)
 
-    writer = gguf.GGUFWriter(args.out, "llama")
+    writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_block_count(layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
@@ -73,9 +70,9 @@ def main() -> None:
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), value_type, sub_type)
 
-    kind = getattr(gguf.GGMLQuantizationType, args.type)
+    kind = getattr(gguf.GGMLQuantizationType, block_type)
     q6_k = gguf.GGMLQuantizationType.Q6_K
-    writer.add_tensor("token_embd.weight", random_blocks(rng, vocab, hidden, args.type), raw_dtype=kind)
+    writer.add_tensor("token_embd.weight", random_blocks(rng, vocab, hidden, block_type), raw_dtype=kind)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.add_tensor("output.weight", random_blocks(rng, vocab, hidden, "Q6_K"), raw_dtype=q6_k)
     matrices = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
@@ -85,11 +82,20 @@ def main() -> None:
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
         for name, (rows, cols) in matrices.items():
-            writer.add_tensor(f"blk.{layer}.{name}.weight", random_blocks(rng, rows, cols, args.type), raw_dtype=kind)
+            writer.add_tensor(f"blk.{layer}.{name}.weight", random_blocks(rng, rows, cols, block_type), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES))
+    ap.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q8_0"))
+    args = ap.parse_args()
+    write_random_gguf(Path(args.out), args.shape, args.type)
     print(f"{args.out}: {Path(args.out).stat().st_size / 1e9:.2f} GB")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ from pagecli.models.fingerprint import weights_digest
 from pagecli.models.gguf_convert import unpermute_rotary_rows
 from pagecli.models.source import resolve_model
 from tiny_gguf import write_tiny_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_random_gguf import write_random_gguf  # noqa: E402  (a script, importable once scripts/ is on the path)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you"]
@@ -192,3 +196,36 @@ def test_a_full_folder_gives_transformers_every_weight(tiny_model_factory, tmp_p
     state = model.state_dict()
     for name, weight in expected.items():
         assert np.array_equal(state[name].numpy(), weight), name
+
+
+def test_a_q6_k_output_layer_stays_in_the_file_as_llama_cpps_q4_0_files_keep_it(tmp_path):
+    """llama-quantize keeps a Q4_0 file's output layer in Q6_K: its float32 copy alone was 14% of a 7B file.
+    It stays in the file too; its floats, read on demand, are the gguf package's."""
+    from gguf import GGUFReader, dequantize
+
+    path = tmp_path / "random.Q4_0.gguf"
+    write_random_gguf(path, "tiny", "Q4_0")
+    folder = resolve_model(str(path))
+    held = gguf_weights.held_names(folder)
+    assert held["lm_head.weight"] == "output.weight" and held["model.embed_tokens.weight"] == "token_embd.weight"
+    assert safetensors_bytes(folder) < 64 * 1024  # the norms: 5 x 256 floats, and the header
+    output = next(tensor for tensor in GGUFReader(path).tensors if tensor.name == "output.weight")
+    assert output.tensor_type.name == "Q6_K"
+    lm_head = gguf_weights.checkpoint(folder)["lm_head.weight"]
+    assert np.array_equal(lm_head, dequantize(output.data, output.tensor_type).reshape(lm_head.shape))
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in greedy(folder))  # the output layer from the file
+
+
+def test_which_tensors_stay_in_the_file():
+    from types import SimpleNamespace
+
+    def tensor(name: str, kind: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind))
+
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):  # the blocks that run as they lie
+        assert gguf_weights.held_in_file(tensor("blk.0.attn_q.weight", kind))
+    assert gguf_weights.held_in_file(tensor("output.weight", "Q6_K"))
+    assert gguf_weights.held_in_file(tensor("token_embd.weight", "Q4_K"))
+    assert not gguf_weights.held_in_file(tensor("blk.0.ffn_down.weight", "Q6_K"))  # a K-quant decoder matrix
+    assert not gguf_weights.held_in_file(tensor("blk.0.attn_norm.weight", "F32"))
+    assert not gguf_weights.held_in_file(tensor("output.weight", "F16"))

@@ -1,4 +1,5 @@
-"""GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, chat template).
+"""GGUF file -> Hugging Face folder (config, tokenizer, chat template, float32 safetensors of the tensors that
+do not stay in the file: gguf_weights says which stay, and gives their floats on demand through hf_tensors_of).
 
 Dequantization is exact (every quantized value becomes the float32 it stands for), and
 llama.cpp's reordering of the q/k projection rows is undone (its converter reorders llama's only:
