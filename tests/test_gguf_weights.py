@@ -17,7 +17,7 @@ import pytest
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.errors import ModelError
-from pagecli.models import gguf_weights, source
+from pagecli.models import gguf_convert, gguf_files, gguf_weights, source
 from pagecli.models.fingerprint import weights_digest
 from pagecli.models.gguf_convert import unpermute_rotary_rows
 from pagecli.models.source import resolve_model
@@ -43,7 +43,7 @@ def todays_folder(gguf_path: Path, home: Path, monkeypatch) -> Path:
     another PAGECLI_HOME, so it does not meet the folder under test)."""
     with monkeypatch.context() as patch:
         patch.setenv("PAGECLI_HOME", str(home))
-        patch.setattr(gguf_weights, "held_in_file", lambda tensor: False)
+        patch.setattr(gguf_convert, "held_in_file", lambda tensor: False)
         return resolve_model(str(gguf_path))
 
 
@@ -61,8 +61,6 @@ def safetensors_bytes(folder: Path) -> int:
 def test_a_block_files_folder_holds_no_float_copy_of_its_block_tensors(kind, tiny_model_factory, tmp_path,
                                                                        monkeypatch):
     from safetensors import numpy as safetensors_numpy
-
-    from pagecli.models import gguf_convert
 
     path = tiny_file(tiny_model_factory, tmp_path, kind)
     written: list[str] = []
@@ -223,9 +221,9 @@ def test_which_tensors_stay_in_the_file():
         return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind))
 
     for kind in ("Q4_0", "Q4_1", "Q8_0"):  # the blocks that run as they lie
-        assert gguf_weights.held_in_file(tensor("blk.0.attn_q.weight", kind))
-    assert gguf_weights.held_in_file(tensor("output.weight", "Q6_K"))
-    assert gguf_weights.held_in_file(tensor("token_embd.weight", "Q4_K"))
-    assert not gguf_weights.held_in_file(tensor("blk.0.ffn_down.weight", "Q6_K"))  # a K-quant decoder matrix
-    assert not gguf_weights.held_in_file(tensor("blk.0.attn_norm.weight", "F32"))
-    assert not gguf_weights.held_in_file(tensor("output.weight", "F16"))
+        assert gguf_files.held_in_file(tensor("blk.0.attn_q.weight", kind))
+    assert gguf_files.held_in_file(tensor("output.weight", "Q6_K"))
+    assert gguf_files.held_in_file(tensor("token_embd.weight", "Q4_K"))
+    assert not gguf_files.held_in_file(tensor("blk.0.ffn_down.weight", "Q6_K"))  # a K-quant decoder matrix
+    assert not gguf_files.held_in_file(tensor("blk.0.attn_norm.weight", "F32"))
+    assert not gguf_files.held_in_file(tensor("output.weight", "F16"))

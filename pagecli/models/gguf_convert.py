@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from pagecli.errors import ModelError
-from pagecli.models import gguf_experts, gguf_families, gguf_weights
+from pagecli.models import gguf_experts, gguf_families
+from pagecli.models.gguf_files import held_in_file, write_record
 from pagecli.models.spec import SUPPORTED_GGUF_ARCHITECTURES
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
@@ -227,7 +228,7 @@ def _hf_tensor_name(gguf_name: str, arch: str) -> str | None:
 def hf_tensors_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any],
                   weight: np.ndarray | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 array in HF layout) for one GGUF tensor: a stacked expert tensor gives one per expert.
-    weight: the tensor already dequantized (dequantized's), else dequantized here. gguf_weights calls this for
+    weight: the tensor already dequantized (dequantized's values), else dequantized here. gguf_weights calls this for
     the tensors a converted folder leaves in the file, so they come back as the converter would have written
     them."""
     expert = _is_expert(tensor.name, config)
@@ -267,19 +268,11 @@ def hf_names_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any])
 
 
 def dequantized(gguf_path: Path, tensor: Any) -> np.ndarray:
-    """A GGUF tensor's exact float32 values, in HF's dimension order ([out, in], [experts, out, in] stacked):
-    the block types through gguf_blocks (the same values as the gguf package's, in PyTorch's threads: 1.6x
-    its speed on one thread), the others through the gguf package."""
+    """A GGUF tensor's exact float32 values, in HF's dimension order ([out, in], [experts, out, in] stacked)."""
     from gguf import dequantize
 
     # GGUF lists dimensions innermost first; HF is [out_features, in_features] ([experts, out, in] stacked).
     hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
-    if tensor.tensor_type.name in gguf_weights.HELD_TYPES:
-        from pagecli.models.gguf_blocks import dequantize_parts, stacked_parts
-
-        parts = stacked_parts([tensor])  # None: a Q4_0 scale past fp16's range / 8 (gguf's path below)
-        if parts is not None:
-            return dequantize_parts(parts).numpy().reshape(hf_shape)
     try:
         weight = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as error:
@@ -308,15 +301,15 @@ def _weight_tensors(reader: Any) -> list[Any]:
 
 
 def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir: Path) -> None:
-    """The tensors that stay in the file (gguf_weights.held_in_file) named in the folder's record; the rest
+    """The tensors that stay in the file (gguf_files.held_in_file) named in the folder's record; the rest
     (norms, other types) as float32 in model.safetensors, or model-0000i-of-0000n.safetensors plus an index
     past MAX_SHARD_BYTES."""
     from safetensors.numpy import save_file
 
     arch = _architecture(reader)
-    held = [tensor for tensor in _weight_tensors(reader) if gguf_weights.held_in_file(tensor)]
-    written = [tensor for tensor in _weight_tensors(reader) if not gguf_weights.held_in_file(tensor)]
-    gguf_weights.write_record(out_dir, {name: tensor.name for tensor in held
+    held = [tensor for tensor in _weight_tensors(reader) if held_in_file(tensor)]
+    written = [tensor for tensor in _weight_tensors(reader) if not held_in_file(tensor)]
+    write_record(out_dir, {name: tensor.name for tensor in held
                                         for name in hf_names_of(gguf_path, tensor, arch, config)}, arch, config)
     shard_sizes: list[int] = [0]
     for tensor in written:

@@ -3,7 +3,7 @@
 A Q4_0, Q4_1 or Q8_0 tensor runs as it lies under --quantize gguf (gguf_blocks), so its float32 copy in
 the converted folder was 6-8x the file's bytes on disk for nothing (a 3.8 GB 7B Q4_0 file made a 27 GB
 folder). The converter writes only the other tensors (norms, F32/F16 weights, and decoder matrices of the
-types that do not run as they lie) to the folder's safetensors, and names the rest (held_in_file) in the
+types that do not run as they lie) to the folder's safetensors, and names the rest (gguf_files.held_in_file) in the
 folder's record (RECORD_FILE): checkpoint name -> GGUF tensor. A path that needs their floats (--quantize none/int8/int4, bf16, a GPU, --merge-lora, the
 transformers comparison) gets them here, dequantized from the file exactly as the converter would have
 written them (gguf_convert.hf_tensors_of). A folder without a record holds every weight itself (one
@@ -22,37 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from pagecli.errors import ModelError
-from pagecli.models.gguf_files import AS_IS_TYPES
+from pagecli.models.gguf_files import CONVERTED_MARKER, HELD_TYPES, RECORD_FILE, RECORD_VERSION, gguf_source
 from pagecli.models.gguf_index import INDEX_FILE
 
-RECORD_FILE = "gguf-weights.json"
-HELD_TYPES = AS_IS_TYPES  # the types left in the file: those gguf_blocks runs as they lie
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-_RECORD_VERSION = 1
-# The converter's config fields that turning a GGUF tensor into its checkpoint weights reads (gguf_convert).
-_CONFIG_KEYS = ("model_type", "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts")
 _SHARD_INDEX = "model.safetensors.index.json"
 _SAMPLE_BYTES = 1 << 16  # bytes of the file read at each of a few offsets for its digest
-
-
-def held_in_file(tensor: Any) -> bool:
-    """Whether a GGUF tensor stays in the file rather than in the converted folder: the block types that
-    gguf_blocks runs as they lie, and the quantized tables outside the decoder layers whatever their type
-    (llama.cpp's Q4_0 files keep the output layer in Q6_K: its float32 copy alone was 14% of a 7B file).
-    Decoder matrices of the other quantized types (K-quants) keep their float32 copy: the gguf package
-    dequantizes them at 18-45 M weights a second, minutes a start for a whole 7B model."""
-    kind = tensor.tensor_type.name
-    return kind in HELD_TYPES or (kind not in _FLOAT_TYPES and not tensor.name.startswith("blk."))
-
-
-def write_record(folder: Path, held: dict[str, str], architecture: str, config: dict[str, Any]) -> None:
-    """The record of the weights left in the file (checkpoint name -> GGUF tensor name) into `folder`,
-    where any are; the GGUF architecture and the config fields their conversion needs go with them."""
-    if not held:
-        return
-    record = {"version": _RECORD_VERSION, "architecture": architecture,
-              "config": {key: config[key] for key in _CONFIG_KEYS if key in config}, "tensors": held}
-    (folder / RECORD_FILE).write_text(json.dumps(record))
 
 
 def held_names(folder: Path) -> dict[str, str]:
@@ -82,10 +56,26 @@ def read_weights(folder: Path, names: list[str]) -> Iterator[tuple[str, Any]]:
     for gguf_name, wanted in by_tensor.items():
         if gguf_name not in tensors:
             raise ModelError(f"GGUF file '{source}' lacks its tensor '{gguf_name}'; pass the .gguf file again.")
-        for name, weight in hf_tensors_of(source, tensors[gguf_name], record["architecture"], record["config"]):
+        tensor = tensors[gguf_name]
+        for name, weight in hf_tensors_of(source, tensor, record["architecture"], record["config"],
+                                          _dequantized(source, tensor)):
             if name in wanted:
                 yield name, weight
         release_pages(mapping)  # the floats are copies: the file's pages need not stay resident
+
+
+def _dequantized(gguf_path: Path, tensor: Any) -> Any:
+    """gguf_convert.dequantized's floats; the block types through gguf_blocks (the same values, bit for bit,
+    in PyTorch's threads: 1.6x the gguf package's speed on one thread)."""
+    from pagecli.models.gguf_convert import dequantized
+
+    if tensor.tensor_type.name in HELD_TYPES:
+        from pagecli.models.gguf_blocks import dequantize_parts, stacked_parts
+
+        parts = stacked_parts([tensor])  # None: a Q4_0 scale past fp16's range / 8 (the gguf package's path)
+        if parts is not None:
+            return dequantize_parts(parts).numpy().reshape(tuple(int(dim) for dim in reversed(tensor.shape)))
+    return dequantized(gguf_path, tensor)
 
 
 def checkpoint(folder: Path) -> dict[str, Any]:
@@ -179,7 +169,7 @@ def _record(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(path.read_text())
-        if record["version"] != _RECORD_VERSION or not isinstance(record["tensors"], dict):
+        if record["version"] != RECORD_VERSION or not isinstance(record["tensors"], dict):
             raise ValueError(f"record version {record.get('version')}")
         return record
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -189,9 +179,6 @@ def _record(folder: Path) -> dict[str, Any] | None:
 
 def _source(folder: Path) -> Path:
     """The GGUF file the folder's held weights lie in, checked to be the size it was when converted."""
-    from pagecli.models.gguf_files import gguf_source
-    from pagecli.models.source import CONVERTED_MARKER
-
     source = gguf_source(folder)
     try:
         marker = json.loads((folder / CONVERTED_MARKER).read_text())

