@@ -3,11 +3,12 @@
 A Q4_0, Q4_1 or Q8_0 tensor runs as it lies under --quantize gguf (gguf_blocks), so its float32 copy in
 the converted folder was 6-8x the file's bytes on disk for nothing (a 3.8 GB 7B Q4_0 file made a 27 GB
 folder). The converter writes only the other tensors (norms, F32/F16 weights, and decoder matrices of the
-types that do not run as they lie) to the folder's safetensors, and names the rest (gguf_files.held_in_file) in the
-folder's record (RECORD_FILE): checkpoint name -> GGUF tensor. A path that needs their floats (--quantize none/int8/int4, bf16, a GPU, --merge-lora, the
-transformers comparison) gets them here, dequantized from the file exactly as the converter would have
-written them (gguf_convert.hf_tensors_of). A folder without a record holds every weight itself (one
-converted before the record existed, or a plain Hugging Face folder).
+types that do not run as they lie) to the folder's safetensors, and names the rest (gguf_files.held_in_file)
+in the folder's record (RECORD_FILE): checkpoint name -> GGUF tensor. A path that needs their floats
+(--quantize none/int8/int4, bf16, a GPU, --merge-lora, the transformers comparison) gets them here,
+dequantized from the file exactly as the converter would have written them (gguf_convert.hf_tensors_of). A
+folder without a record holds every weight itself (one converted before the record existed, or a plain
+Hugging Face folder).
 """
 
 from __future__ import annotations
