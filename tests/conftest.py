@@ -101,6 +101,17 @@ def smollm2_dir(tmp_path_factory) -> Path:
             pytest.fail(f"embedded model unavailable: {error}")
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """The embedded model as a whole float32 Hugging Face folder, for transformers and PEFT as references: the
+    converted folder leaves the quantized weights in the GGUF file (gguf_weights), which they cannot read."""
+    from pagecli.models.gguf_weights import write_full_folder
+
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    write_full_folder(smollm2_dir, folder)
+    return folder
+
+
 @dataclass
 class EngineWatch:
     engines: list = field(default_factory=list)  # every Engine built during the test

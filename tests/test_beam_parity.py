@@ -121,12 +121,12 @@ def test_ignore_eos_beams_run_to_max_tokens(eos_models):
 
 
 @pytest.mark.slow
-def test_smollm2_beams_equal_transformers(smollm2_dir):
+def test_smollm2_beams_equal_transformers(smollm2_dir, smollm2_hf_dir):
     engine = engine_for(smollm2_dir, block_size=16, num_blocks=128)
     prompt = engine.encode([{"role": "user", "content": "Name three colours of the rainbow."}])
     for length_penalty, early_stopping in [(1.0, False), (0.6, True)]:
         ours = engine.generate([prompt], beam_params(3, 16, length_penalty, early_stopping))
-        theirs = transformers_beams(smollm2_dir, prompt, engine.stop_token_ids, 3, 16, length_penalty, early_stopping)
+        theirs = transformers_beams(smollm2_hf_dir, prompt, engine.stop_token_ids, 3, 16, length_penalty, early_stopping)
         assert_same_beams(ours, theirs)
 
 

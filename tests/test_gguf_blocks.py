@@ -245,7 +245,7 @@ def test_every_shipped_profile_leaves_quantize_to_auto():
     assert load_profile().engine_config().quantize == "auto"
 
 
-def test_a_tied_table_on_q8_0_blocks_looks_its_rows_up_there_exactly(smollm2_dir):
+def test_a_tied_table_on_q8_0_blocks_looks_its_rows_up_there_exactly(smollm2_dir, smollm2_hf_dir):
     """The embedded model's tied table is Q8_0 in its file: where the output layer runs those blocks as they
     lie, the lookup reads rows from them (weight_forms.Q8Rows) and no float table is kept; every row equals
     the converted folder's float32 row (gguf's dequantization) bit for bit."""
@@ -258,7 +258,7 @@ def test_a_tied_table_on_q8_0_blocks_looks_its_rows_up_there_exactly(smollm2_dir
         assert embed.weight is None and type(embed.packed).__name__ == "Q8Rows"
         ids = torch.arange(engine.loaded.spec.vocab_size).view(-1, 64)  # every row, in a 2-D batch
         rows = embed(ids).view(-1, engine.loaded.spec.hidden_size)
-    file = next(smollm2_dir.glob("*.safetensors"))
+    file = next(smollm2_hf_dir.glob("*.safetensors"))
     with safe_open(str(file), framework="pt") as f:
         table = f.get_tensor("model.embed_tokens.weight").float()
     assert torch.equal(rows, table)

@@ -224,7 +224,7 @@ def test_int8_kv_perplexity_on_smollm2_is_within_half_a_percent(smollm2_dir):
 
 
 @pytest.mark.slow
-def test_int8_kv_greedy_output_parts_from_float32_only_at_near_ties(smollm2_dir):
+def test_int8_kv_greedy_output_parts_from_float32_only_at_near_ties(smollm2_dir, smollm2_hf_dir):
     """Issue 18's greedy target, on test_smollm2_end_to_end's 9 requests, 24 tokens each, with float32 weights
     (a bfloat16 model parts from float32 on 5 of them by its own rounding: docs/benchmarks/kv-cache-quantized.md).
     Where int8's output parts from the float32 cache's, transformers' float32 logits at that token must put the
@@ -248,7 +248,7 @@ def test_int8_kv_greedy_output_parts_from_float32_only_at_near_ties(smollm2_dir)
     _, int8 = outputs("int8")
     parted = [(p, a, b) for p, a, b in zip(prompts, base, int8) if a != b]
     assert len(parted) <= 4, f"{len(parted)} of {len(base)} requests parted"
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32)
     for prompt, a, b in parted:
         at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         with torch.no_grad():

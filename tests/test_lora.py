@@ -73,14 +73,14 @@ def test_every_architecture_with_an_adapter_equals_peft(arch, tiny_model_factory
     assert list(with_adapter.token_ids) == peft_greedy(base, adapter, ids, TOKENS)
 
 
-def test_the_embedded_model_with_adapters_of_rank_8_and_64_equals_peft(smollm2_dir, tmp_path):
+def test_the_embedded_model_with_adapters_of_rank_8_and_64_equals_peft(smollm2_dir, smollm2_hf_dir, tmp_path):
     adapters = {f"r{rank}": make_adapter(smollm2_dir, tmp_path / f"r{rank}", rank=rank, seed=rank, b_scale=0.05)
                 for rank in (8, 64)}
     engine = engine_for(smollm2_dir, adapters, num_blocks=64, block_size=16)
     ids = engine.encode([{"role": "user", "content": "Name three colours."}])
     for name, folder in adapters.items():
         [out] = engine.generate([ids], greedy(name, max_tokens=8))
-        assert list(out.token_ids) == peft_greedy(smollm2_dir, folder, ids, 8), name
+        assert list(out.token_ids) == peft_greedy(smollm2_hf_dir, folder, ids, 8), name
 
 
 @pytest.mark.skipif(not COMPILED_LEVELS or not native.enabled(), reason="no compiled CPU kernels here")

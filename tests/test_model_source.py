@@ -248,14 +248,14 @@ def test_missing_embedded_wheel_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.slow
-def test_embedded_model_logits_match_transformers_gguf_loader(smollm2_dir):
+def test_embedded_model_logits_match_transformers_gguf_loader(smollm2_dir, smollm2_hf_dir):
     """Proves dequantization and the q/k un-permutation: transformers' own GGUF loader agrees."""
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = source.default_model_gguf()
     reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    converted = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
     input_ids = AutoTokenizer.from_pretrained(smollm2_dir)("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         expected = reference(input_ids).logits

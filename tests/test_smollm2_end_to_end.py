@@ -30,7 +30,7 @@ REQUESTS = [
 
 
 @pytest.mark.slow
-def test_generate_matches_transformers_greedy_on_varied_prompts(smollm2_dir, tmp_path):
+def test_generate_matches_transformers_greedy_on_varied_prompts(smollm2_dir, smollm2_hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -40,7 +40,7 @@ def test_generate_matches_transformers_greedy_on_varied_prompts(smollm2_dir, tmp
     results = [json.loads(line) for line in dst.read_text(encoding="utf-8").splitlines()]
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     long_prompts = 0
     for request, result in zip(REQUESTS, results, strict=True):

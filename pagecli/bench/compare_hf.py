@@ -129,11 +129,16 @@ def run_hf(job: HFJob) -> HFResult:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from pagecli.models.gguf_weights import full_folder
+
     if job.threads:
         torch.set_num_threads(job.threads)
     device = torch.device(job.device)
-    model = AutoModelForCausalLM.from_pretrained(job.model_folder, dtype=getattr(torch, job.dtype),
-                                                 trust_remote_code=False).to(device).eval()
+    # A converted GGUF folder leaves its quantized weights in the file: transformers reads them dequantized
+    # (and would otherwise start those weights from random values).
+    with full_folder(Path(job.model_folder)) as folder:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, job.dtype),
+                                                     trust_remote_code=False).to(device).eval()
     pad_id = 0
     _generate_batch(model, [HFRequest("warmup", job.requests[0].prompt_token_ids[:8], 2, True, 0)], (), pad_id, device)
     if device.type == "cuda":

@@ -36,8 +36,9 @@ def models(
     typer.echo(f"             weights: {_weights_path(source.default_model_gguf(), default_folder)}")
     root = models_dir()
     for folder in sorted(p for p in root.glob("*") if p.is_dir() and (p / "config.json").is_file()):
-        size_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
-        typer.echo(f"converted    {folder.name}  {size_mb:,.0f} MB  {folder}")
+        # the whole folder: a GGUF model's quantized weights stay in its file, so its safetensors are a few norms
+        size_mb = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6
+        typer.echo(f"converted    {folder.name}  {size_mb:,.1f} MB  {folder}")
         gguf = gguf_files.gguf_source(folder)
         if gguf is not None:
             typer.echo(f"             weights: {_weights_path(gguf, folder)}")
@@ -85,8 +86,8 @@ def _weights_path(gguf_path, folder) -> str:
     from pagecli.models import gguf_files
     from pagecli.native import cpu_has_bf16
 
-    here = ("the converted floats by default here (bfloat16; --quantize auto runs the blocks in float32 runs)"
-            if cpu_has_bf16() else "the blocks by default here (float32: --quantize auto; none: the converted floats)")
+    here = ("floats (dequantized from the file as it loads) by default here (bfloat16; --quantize auto runs the "
+            "blocks in float32 runs)" if cpu_has_bf16() else "the blocks by default here (float32: --quantize auto; none: their floats)")
     if not folder.is_dir():  # no index yet: parsing the file's header takes seconds, conversion writes one
         return f"{here}; which run as they lie is listed once it is converted (pagecli models --prepare)"
     try:

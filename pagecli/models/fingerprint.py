@@ -2,7 +2,8 @@
 
 It covers the weights (each safetensors file's header, which names every tensor with its
 dtype, shape and byte offsets, plus the file size and a digest of sampled bytes of the
-data), the tokenizer files, the chat template, the KV dtype, the block size and the cache
+data; for a converted GGUF folder, the same of the GGUF file that holds its quantized
+weights: gguf_weights.source_digest), the tokenizer files, the chat template, the KV dtype, the block size and the cache
 layout version. Prefix-cache hash chains are rooted in it, so KV computed by any other
 model or setting can never be found.
 """
@@ -13,6 +14,8 @@ import hashlib
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pagecli.models.gguf_weights import source_digest
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +39,7 @@ def weights_digest(folder: Path) -> str:
             for fraction in (0.25, 0.5, 0.75, 1.0):  # sampled data: a retrained model with the same shapes differs
                 f.seek(max(0, int(size * fraction) - _SAMPLE_BYTES))
                 h.update(f.read(_SAMPLE_BYTES))
+    h.update(source_digest(folder).encode())  # the weights left in a GGUF file, which no safetensors holds
     return h.hexdigest()
 
 

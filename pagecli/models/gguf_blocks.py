@@ -115,8 +115,10 @@ def _decode(kind: str, blocks: np.ndarray, q: np.ndarray, scale: np.ndarray, min
 
 def dequantize_parts(parts: Int4Parts | Q8Parts) -> torch.Tensor:
     """The float32 weights [N, K] the parts stand for, computed as the gguf package does."""
-    if isinstance(parts, Q8Parts):
-        return parts.q.float() * parts.scale.float().repeat_interleave(GROUP, dim=1)
+    if isinstance(parts, Q8Parts):  # in place over [N, G, 32], the scales broadcast
+        n, k = parts.q.shape
+        weights = parts.q.view(n, k // GROUP, GROUP).float()
+        return weights.mul_(parts.scale.float().unsqueeze(2)).view(n, k)
     from pagecli.models.quantize_int4 import dequantize_int4
 
     return dequantize_int4(parts.q, parts.scale, parts.minimum)

@@ -1,4 +1,5 @@
-"""GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, chat template).
+"""GGUF file -> Hugging Face folder (config, tokenizer, chat template, float32 safetensors of the tensors that
+do not stay in the file: gguf_weights says which stay, and gives their floats on demand through hf_tensors_of).
 
 Dequantization is exact (every quantized value becomes the float32 it stands for), and
 llama.cpp's reordering of the q/k projection rows is undone (its converter reorders llama's only:
@@ -20,6 +21,7 @@ import numpy as np
 
 from pagecli.errors import ModelError
 from pagecli.models import gguf_experts, gguf_families
+from pagecli.models.gguf_files import held_in_file, write_record
 from pagecli.models.spec import SUPPORTED_GGUF_ARCHITECTURES
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
 
@@ -68,7 +70,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     say = progress or (lambda message: None)
     say(f"Reading {gguf_path.name}")
     reader, metadata, config = _read_header(gguf_path)
-    say(f"Dequantizing {len(reader.tensors)} tensors to float32")
+    say("Writing the tensors that do not stay in the file as float32")
     _write_weights(gguf_path, reader, config, out_dir)
     write_index(index_entries(reader), gguf_path, out_dir)  # where the file's blocks lie, for --quantize gguf (gguf_index)
     say("Writing tokenizer and chat template")
@@ -223,42 +225,68 @@ def _hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     return None
 
 
-def _hf_tensors(gguf_path: Path, reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array in HF layout) for every tensor, one at a time."""
+def hf_tensors_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any],
+                  weight: np.ndarray | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array in HF layout) for one GGUF tensor: a stacked expert tensor gives one per expert.
+    weight: the tensor already dequantized (dequantized's values), else dequantized here. gguf_weights calls this for
+    the tensors a converted folder leaves in the file, so they come back as the converter would have written
+    them."""
+    expert = _is_expert(tensor.name, config)
+    hf_name = _hf_tensor_name(tensor.name, arch)
+    if hf_name is None and not expert:
+        raise ModelError(
+            f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
+            "does not have; pass the model's Hugging Face folder or hub id instead."
+        )
+    weight = gguf_families.hf_weight(arch, tensor.name, dequantized(gguf_path, tensor) if weight is None else weight)
+    if expert:
+        layer, suffix = _LAYER_TENSOR.fullmatch(tensor.name).groups()
+        yield from gguf_experts.hf_expert_tensors(config["model_type"], int(layer), suffix, weight)
+        return
+    if config["model_type"] not in PERMUTED_ROTARY_ARCHITECTURES:
+        pass
+    elif tensor.name.endswith("attn_q.weight"):
+        weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
+    elif tensor.name.endswith("attn_k.weight"):
+        weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+    yield hf_name, np.ascontiguousarray(weight)
+
+
+def hf_names_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any]) -> list[str]:
+    """The HF names hf_tensors_of gives this tensor, without reading its data."""
+    if _is_expert(tensor.name, config):
+        layer, suffix = _LAYER_TENSOR.fullmatch(tensor.name).groups()
+        num_experts = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1
+        return gguf_experts.hf_expert_names(config["model_type"], int(layer), suffix, num_experts)
+    hf_name = _hf_tensor_name(tensor.name, arch)
+    if hf_name is None:
+        raise ModelError(
+            f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
+            "does not have; pass the model's Hugging Face folder or hub id instead."
+        )
+    return [hf_name]
+
+
+def dequantized(gguf_path: Path, tensor: Any) -> np.ndarray:
+    """A GGUF tensor's exact float32 values, in HF's dimension order ([out, in], [experts, out, in] stacked)."""
     from gguf import dequantize
 
-    arch = _architecture(reader)
-    for tensor in _weight_tensors(reader):
-        match = _LAYER_TENSOR.fullmatch(tensor.name)
-        expert = match is not None and gguf_experts.is_expert_tensor(match.group(2)) and (
-            "num_experts" in config or "num_local_experts" in config)
-        hf_name = _hf_tensor_name(tensor.name, arch)
-        if hf_name is None and not expert:
-            raise ModelError(
-                f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
-                "does not have; pass the model's Hugging Face folder or hub id instead."
-            )
-        try:
-            weight = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as error:
-            raise ModelError(
-                f"GGUF file '{gguf_path}' uses the {tensor.tensor_type.name} quantization, which the "
-                "installed gguf package cannot dequantize; try `pip install -U gguf` or another quantization."
-            ) from error
-        # GGUF lists dimensions innermost first; HF is [out_features, in_features] ([experts, out, in] stacked).
-        hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        weight = np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
-        weight = gguf_families.hf_weight(arch, tensor.name, weight)
-        if expert:
-            yield from gguf_experts.hf_expert_tensors(config["model_type"], int(match.group(1)), match.group(2), weight)
-            continue
-        if config["model_type"] not in PERMUTED_ROTARY_ARCHITECTURES:
-            pass
-        elif tensor.name.endswith("attn_q.weight"):
-            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
-            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
-        yield hf_name, np.ascontiguousarray(weight)
+    # GGUF lists dimensions innermost first; HF is [out_features, in_features] ([experts, out, in] stacked).
+    hf_shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    try:
+        weight = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise ModelError(
+            f"GGUF file '{gguf_path}' uses the {tensor.tensor_type.name} quantization, which the "
+            "installed gguf package cannot dequantize; try `pip install -U gguf` or another quantization."
+        ) from error
+    return np.ascontiguousarray(weight, dtype=np.float32).reshape(hf_shape)
+
+
+def _is_expert(gguf_name: str, config: dict[str, Any]) -> bool:
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return match is not None and gguf_experts.is_expert_tensor(match.group(2)) and (
+        "num_experts" in config or "num_local_experts" in config)
 
 
 def _architecture(reader: Any) -> str:
@@ -273,13 +301,20 @@ def _weight_tensors(reader: Any) -> list[Any]:
 
 
 def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir: Path) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors plus an index past MAX_SHARD_BYTES."""
+    """The tensors that stay in the file (gguf_files.held_in_file) named in the folder's record; the rest
+    (norms, other types) as float32 in model.safetensors, or model-0000i-of-0000n.safetensors plus an index
+    past MAX_SHARD_BYTES."""
     from safetensors.numpy import save_file
 
+    arch = _architecture(reader)
+    held = [tensor for tensor in _weight_tensors(reader) if held_in_file(tensor)]
+    written = [tensor for tensor in _weight_tensors(reader) if not held_in_file(tensor)]
+    write_record(out_dir, {name: tensor.name for tensor in held
+                                        for name in hf_names_of(gguf_path, tensor, arch, config)}, arch, config)
     shard_sizes: list[int] = [0]
-    for tensor in _weight_tensors(reader):
-        # a stacked expert tensor ([in, out, experts]) is written as one weight per expert, packed as _hf_tensors
-        # yields them (so the shard count named in the files is the count written)
+    for tensor in written:
+        # a stacked expert tensor ([in, out, experts]) is written as one weight per expert, packed as
+        # hf_tensors_of yields them (so the shard count named in the files is the count written)
         pieces = int(tensor.shape[2]) if len(tensor.shape) == 3 else 1
         for _ in range(pieces):
             tensor_bytes = int(tensor.n_elements) * 4 // pieces
@@ -295,13 +330,15 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
     shard: dict[str, np.ndarray] = {}
     shard_bytes = 0
     shard_index = 0
-    for hf_name, weight in _hf_tensors(gguf_path, reader, config):
-        if shard and shard_bytes + weight.nbytes > MAX_SHARD_BYTES:
-            save_file(shard, str(out_dir / shard_name(shard_index)), metadata={"format": "pt"})
-            shard, shard_bytes, shard_index = {}, 0, shard_index + 1
-        shard[hf_name] = weight
-        shard_bytes += weight.nbytes
-        weight_map[hf_name] = shard_name(shard_index)
+    for tensor in written:
+        for hf_name, weight in hf_tensors_of(gguf_path, tensor, arch, config):
+            if shard and shard_bytes + weight.nbytes > MAX_SHARD_BYTES:
+                save_file(shard, str(out_dir / shard_name(shard_index)), metadata={"format": "pt"})
+                shard, shard_bytes, shard_index = {}, 0, shard_index + 1
+            shard[hf_name] = weight
+            shard_bytes += weight.nbytes
+            weight_map[hf_name] = shard_name(shard_index)
+    # written even when empty: a model folder holds *.safetensors (source.validate_model_folder)
     save_file(shard, str(out_dir / shard_name(shard_index)), metadata={"format": "pt"})
 
     if num_shards > 1:

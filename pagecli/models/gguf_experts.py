@@ -104,10 +104,18 @@ def hf_expert_tensors(model_type: str, layer: int, layer_suffix: str,
                       weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's (name, weight) of one GGUF expert or router tensor of layer `layer`: a stacked expert
     tensor [num_experts, out, in] gives one [out, in] weight per expert."""
+    if layer_suffix.removesuffix(".weight") == ROUTER_TENSOR:
+        yield hf_expert_names(model_type, layer, layer_suffix, 1)[0], weight
+        return
+    names = hf_expert_names(model_type, layer, layer_suffix, len(weight))
+    for name, expert_weight in zip(names, weight):
+        yield name, np.ascontiguousarray(expert_weight)
+
+
+def hf_expert_names(model_type: str, layer: int, layer_suffix: str, num_experts: int) -> list[str]:
+    """The checkpoint names hf_expert_tensors gives one GGUF expert or router tensor, without its weights."""
     names = _EXPERT_NAMES.get(model_type, _EXPERT_NAMES["default"])
     kind = layer_suffix.removesuffix(".weight")
     if kind == ROUTER_TENSOR:
-        yield f"model.layers.{layer}.{names[kind]}.weight", weight
-        return
-    for expert, expert_weight in enumerate(weight):
-        yield f"model.layers.{layer}.{names[kind].format(expert)}.weight", np.ascontiguousarray(expert_weight)
+        return [f"model.layers.{layer}.{names[kind]}.weight"]
+    return [f"model.layers.{layer}.{names[kind].format(expert)}.weight" for expert in range(num_experts)]

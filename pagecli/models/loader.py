@@ -238,7 +238,9 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
     if not files:
         raise ModelError(f"No *.safetensors weights in '{folder}'; pagecli loads safetensors checkpoints only.")
     expected = dict(model.named_parameters())
-    where = _tensor_files(files, expected, CHECKPOINT_RENAMES.get(model.spec.model_type, ()))
+    renames = CHECKPOINT_RENAMES.get(model.spec.model_type, ())
+    where = _tensor_files(files, expected, renames)
+    where.update(_held_in_gguf(folder, expected, renames))
     missing = sorted(set(expected) - set(where))
     if missing:
         shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
@@ -250,13 +252,13 @@ def _load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: tor
         (layers.setdefault(int(match.group(1)), []) if match else outside).append(name)
     provided = layer_provided(model, None) if layer_provided is not None else frozenset()
     outside = [name for name in outside if name not in provided]
-    model.load_state_dict(_read_tensors(outside, where, expected, dtype, device), strict=False, assign=True)
+    model.load_state_dict(_read_tensors(outside, where, expected, dtype, device, folder), strict=False, assign=True)
     for index, layer in enumerate(model.model.layers):
         provided = layer_provided(model, index) if layer_provided is not None else frozenset()
         names = [name for name in layers.get(index, []) if name not in provided]
         # Into the layer itself: the model's load_state_dict would walk every module of the model for each layer.
         prefix = f"model.layers.{index}."
-        state = _read_tensors(names, where, expected, dtype, device)
+        state = _read_tensors(names, where, expected, dtype, device, folder)
         layer.load_state_dict({name.removeprefix(prefix): tensor for name, tensor in state.items()}, strict=False,
                               assign=True)
         layer.fuse_projections()
@@ -280,9 +282,10 @@ CHECKPOINT_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 
 @dataclass(frozen=True)
 class _Stored:
-    """Where a model parameter's tensor is: the file, and its name there (Mixtral's experts': another name)."""
+    """Where a model parameter's tensor is: the file, and its name there (Mixtral's experts': another name).
+    file None: left in the folder's GGUF file, dequantized when read (gguf_weights)."""
 
-    file: Path
+    file: Path | None
     name: str
 
 
@@ -310,13 +313,33 @@ def _tensor_files(files: list[Path], expected: dict[str, torch.Tensor],
     return where
 
 
+def _held_in_gguf(folder: Path, expected: dict[str, torch.Tensor],
+                  renames: tuple[tuple[re.Pattern[str], str], ...]) -> dict[str, _Stored]:
+    """The tensors the model needs that a converted GGUF folder left in its file (gguf_weights), by parameter name."""
+    from pagecli.models.gguf_weights import held_names
+
+    where: dict[str, _Stored] = {}
+    for stored in held_names(folder):
+        name = _model_name(stored, renames)
+        if name in expected:
+            where[name] = _Stored(None, stored)
+    return where
+
+
 def _read_tensors(names: list[str], where: dict[str, _Stored], expected: dict[str, torch.Tensor],
-                  dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype, device: torch.device, folder: Path) -> dict[str, torch.Tensor]:
     """These tensors, each a copy of its own in dtype on device, shapes checked."""
     state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path | None, list[str]] = {}
     for name in names:
         by_file.setdefault(where[name].file, []).append(name)
+    held = by_file.pop(None, [])
+    if held:
+        from pagecli.models.gguf_weights import read_weights
+
+        model_names = {where[name].name: name for name in held}
+        for stored, weight in read_weights(folder, list(model_names)):
+            state[model_names[stored]] = torch.from_numpy(weight).to(device=device, dtype=dtype)
     for file, file_names in by_file.items():
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -326,7 +349,7 @@ def _read_tensors(names: list[str], where: dict[str, _Stored], expected: dict[st
             raise _unreadable(file, exc) from exc
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ModelError(f"Weight '{where[name].name}' in '{where[name].file.parent}' has shape {tuple(tensor.shape)}, "
+            raise ModelError(f"Weight '{where[name].name}' in '{folder}' has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(expected[name].shape)}.")
     return state
 

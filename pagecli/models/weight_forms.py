@@ -55,7 +55,7 @@ class WeightPlacer:
         self._said = [0, time.monotonic()]  # layers done, when progress was last said
         if plan.quantize == "gguf" and plan.requested == "auto":
             self.say("Running the GGUF file's own quantized blocks as they lie (--quantize auto; "
-                     "--quantize none runs the converted floats)")
+                     "--quantize none runs their floats, dequantized from the file)")
         elif plan.quantize == "gguf":
             self.say("Putting the weights on the GGUF file's own blocks as they load")
         elif plan.quantize != "none":

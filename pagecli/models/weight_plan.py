@@ -253,7 +253,7 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
         except (PagecliError, OSError, ValueError):
             if quantize == "gguf":
                 raise
-            gguf_types = {}  # changed since its conversion: the converted floats still load
+            gguf_types = {}  # changed since its conversion: loading says so where weights lie in it
     if hf_config is None:
         hf_config = load_hf_config(folder)  # read once: the dtype and the architecture's shape
     if not isinstance(dtype, torch.dtype):
