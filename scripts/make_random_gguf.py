@@ -41,8 +41,11 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
     return blocks.reshape(rows, -1)
 
 
-def write_random_gguf(out: Path, shape: str = "llama2-7b", block_type: str = "Q4_0") -> None:
-    """The file (module docstring) of this shape, its decoder matrices and embedding table in block_type."""
+def write_random_gguf(out: Path, shape: str = "llama2-7b", block_type: str = "Q4_0",
+                      types: dict[str, str] | None = None) -> None:
+    """The file (module docstring) of this shape, its decoder matrices and embedding table in block_type;
+    types: another type for some tensors by their GGUF name (a Q4_K_M-like mix: "blk.0.ffn_down.weight": "Q6_K")."""
+    types = types or {}
     import gguf
 
     from pagecli.models.source import default_model_gguf
@@ -82,7 +85,9 @@ def write_random_gguf(out: Path, shape: str = "llama2-7b", block_type: str = "Q4
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
         for name, (rows, cols) in matrices.items():
-            writer.add_tensor(f"blk.{layer}.{name}.weight", random_blocks(rng, rows, cols, block_type), raw_dtype=kind)
+            tensor = f"blk.{layer}.{name}.weight"
+            own = types.get(tensor, block_type)
+            writer.add_tensor(tensor, random_blocks(rng, rows, cols, own), raw_dtype=getattr(gguf.GGMLQuantizationType, own))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

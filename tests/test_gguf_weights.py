@@ -227,3 +227,25 @@ def test_which_tensors_stay_in_the_file():
     assert not gguf_files.held_in_file(tensor("blk.0.ffn_down.weight", "Q6_K"))  # a K-quant decoder matrix
     assert not gguf_files.held_in_file(tensor("blk.0.attn_norm.weight", "F32"))
     assert not gguf_files.held_in_file(tensor("output.weight", "F16"))
+
+
+def test_float_products_left_over_run_on_the_float_panels(tmp_path):
+    """A file whose decoder mixes blocks with another type (as Q4_K_M files do: here one ffn_down in Q6_K) and
+    keeps its output layer in Q6_K, run on its blocks in float32: the products that are not blocks run on the
+    float panels, as a float32 model's do, not on PyTorch's float32 GEMM (which sums a few rows otherwise
+    than many, so a row's logits depended on its batch), and a prompt's tokens are the same alone or beside
+    another."""
+    path = tmp_path / "mixed.Q4_0.gguf"
+    write_random_gguf(path, "tiny", "Q4_0", {"blk.0.ffn_down.weight": "Q6_K"})
+    config = EngineConfig(dtype="float32", device="cpu", disk_cache=False, num_blocks=64)
+    with Engine(str(path), config) as engine:
+        if engine.quantize != "gguf":
+            pytest.skip("no native kernels here to run the file's blocks")
+        model = engine.loaded.model
+        layers = model.model.layers
+        assert type(layers[0].mlp.down_proj.packed).__name__ == "F32PanelLinear"
+        assert type(layers[1].mlp.down_proj.packed).__name__ == "PackedLinearInt4"
+        assert type(model.output_packed).__name__ == "F32PanelLinear"
+        together = [list(out.token_ids) for out in engine.generate(PROMPTS, GREEDY)]
+        alone = [list(engine.generate([prompt], GREEDY)[0].token_ids) for prompt in PROMPTS]
+    assert together == alone

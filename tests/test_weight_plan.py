@@ -52,9 +52,9 @@ def test_the_unquantized_forms_follow_the_dtype_and_the_level():
     assert plan_weights(torch.float32, CPU, "none", kernels("avx512_vnni", packed=True)).decoder == "float-panels"
     assert plan_weights(torch.float32, CPU, "none", kernels(panels=False)).decoder == "float"  # a build without them
     bf16 = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True))
-    assert (bf16.decoder, bf16.output, bf16.pack_floats, bf16.row_kernel) == ("bf16-panels", "bf16-panels", True, True)
+    assert (bf16.decoder, bf16.output, bf16.floats, bf16.row_kernel) == ("bf16-panels", "bf16-panels", "bf16-panels", True)
     amx = plan_weights(torch.bfloat16, CPU, "none", kernels("avx512_vnni", packed=True, amx=True))
-    assert amx.decoder == "float" and not amx.pack_floats  # the AMX kernels read the weights as they lie
+    assert amx.decoder == amx.floats == "float"  # the AMX kernels read the weights as they lie
     torch_path = plan_weights(torch.float32, CPU, "none", None)
     assert (torch_path.decoder, torch_path.native, torch_path.decode_step) == ("float", False, False)
 

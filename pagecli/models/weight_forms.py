@@ -127,8 +127,8 @@ class WeightPlacer:
         for module in model.modules():
             if isinstance(module, Linear):
                 module.kernel = model.linear_kernel
-                if self.plan.pack_floats and module.packed is None:
-                    self._to_panels(module, "bf16-panels")
+                if self.plan.floats != "float" and module.packed is None:
+                    self._to_panels(module, self.plan.floats)  # float products left over: row-invariant panels
             elif isinstance(module, RMSNorm):
                 module.kernel = ops.add_rms_norm
             elif isinstance(module, GatedMLP) and module.activation == "silu":
@@ -192,7 +192,7 @@ class WeightPlacer:
         if isinstance(parts, gguf_blocks.Q8Parts) and self.plan.q8_0_as_is:
             self._output_on_int8(model, parts.q, parts.scale)
             return "done"
-        return "bf16-panels" if self.plan.pack_floats else "float"
+        return self.plan.floats
 
     # --- one Linear -----------------------------------------------------------------------------------
     def _to_panels(self, linear: Linear, form: str) -> None:

@@ -113,7 +113,8 @@ class WeightPlan:
     int4_native: bool  # 4-bit products on pagecli.native (else the PyTorch reference)
     int16_activations: bool  # quantized products round activations to int16 per 64 (exact to 2^-16), not int8
     q8_0_as_is: bool  # GGUF Q8_0 blocks run as they lie (the AVX2 int8 kernel), else requantized to int8
-    pack_floats: bool  # float products left over (bf16 models) go to the packed GEMM's panels
+    floats: str  # the form float products left over take (GGUF types that are not blocks, a Q6_K output
+    # layer, a MoE router): bf16-panels, float-panels or float (the dtype's float form)
     row_kernel: bool  # bf16 products of row-layout weights on pagecli.native's row kernels
     decode_step: bool  # decode-only steps run the whole layer loop in one C++ call
     decode_team: bool  # ... as one parallel region where the step has few rows
@@ -177,7 +178,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     if resolved in ("int8", "int4"):
         output = "int8"  # as llama.cpp's quantized files keep theirs (Q8_0, Q6_K)
     elif resolved == "gguf":
-        output = "gguf" if q8_0_as_is else ("bf16-panels" if float_form == "bf16-panels" else "float")
+        output = "gguf" if q8_0_as_is else float_form
     else:
         output = float_form
     # The kernels each quantize needs (the output layer of int4 runs int8); without them a product runs in PyTorch.
@@ -186,7 +187,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     return WeightPlan(
         quantize=resolved, requested=quantize, dtype=dtype, decoder=decoder, output=output,
         native=ops is not None, int8_native=int8_native, int4_native=int4_native, int16_activations=int16,
-        q8_0_as_is=q8_0_as_is, pack_floats=float_form == "bf16-panels",
+        q8_0_as_is=q8_0_as_is, floats=float_form,
         row_kernel=ops is not None and dtype == torch.bfloat16,
         decode_step=ops is not None and not in_pytorch and llama_shaped, decode_team=decode_team_wanted(), why=why,
     )
