@@ -9,9 +9,10 @@
 namespace pagecli {
 
 // out[r] += row_scale[r] * (x[r] @ a[s].T) @ b[s] for every row r whose slot s = row_slot[r] >= 0 (rows of
-// slot -1 run the base model alone). x [rows, in] and out [rows, out] float32 (out changed in place),
-// a [slots, rank, in] and b [slots, rank, out] float32 contiguous (the loaded adapters' stacks,
-// pagecli.models.lora_slots), row_slot [rows] int64, row_scale [rows] float32. Each row's sums run in
+// slot -1 run the base model alone). x [rows, in] and out [rows, out] (out changed in place), a [slots, rank,
+// in] and b [slots, rank, out] contiguous (the loaded adapters' stacks, pagecli.models.lora_slots), all four of
+// one dtype: float32, bfloat16 or float16 (sums in float32, each output rounded once to the dtype); row_slot
+// [rows] int64, row_scale [rows] float32. Each row's sums run in
 // one fixed order whatever the other rows are and however the threads share the work, so a request
 // gets the same bits in any batch, in the one-call decode step and in the Python layer loop alike.
 // Inside a DecodeStep team every member calls it (the work is shared out among them).
@@ -30,9 +31,12 @@ class LoraStacks {
            const torch::Tensor& row_scale) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(a_.size()); }
+  // The stacks' dtype (the rows lora_add_ takes with them); none where no product is targeted.
+  c10::optional<at::ScalarType> dtype() const { return dtype_; }
 
  private:
   std::vector<std::vector<torch::Tensor>> a_, b_;  // [layer][which], undefined where untargeted
+  c10::optional<at::ScalarType> dtype_;
 };
 
 }  // namespace pagecli
