@@ -110,6 +110,37 @@ void axpys(T* o, const float* d, const T* b, int64_t rank, int64_t width, int64_
     o[c] = static_cast<T>(acc);
   }
 }
+
+// axpys for two rows of one adapter at once: each b vector read (and widened) once for both, eight independent
+// sums in flight instead of four. Every output's operations are axpys's, in its order (the same bits).
+template <typename T>
+void axpys2(T* o0, T* o1, const float* d0, const float* d1, const T* b, int64_t rank, int64_t width, int64_t n) {
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    __m256 acc0[4], acc1[4];
+    for (int i = 0; i < 4; ++i) {
+      acc0[i] = load8(o0 + c + 8 * i);
+      acc1[i] = load8(o1 + c + 8 * i);
+    }
+    for (int64_t j = 0; j < rank; ++j) {
+      const __m256 e0 = _mm256_set1_ps(d0[j]), e1 = _mm256_set1_ps(d1[j]);
+      const T* bj = b + j * width + c;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 bv = load8(bj + 8 * i);
+        acc0[i] = _mm256_fmadd_ps(e0, bv, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(e1, bv, acc1[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      store8(o0 + c + 8 * i, acc0[i]);
+      store8(o1 + c + 8 * i, acc1[i]);
+    }
+  }
+  if (c < n) {
+    axpys(o0 + c, d0, b + c, rank, width, n - c);
+    axpys(o1 + c, d1, b + c, rank, width, n - c);
+  }
+}
 #else
 template <int N, typename T>
 void dots(const T* x, const T* const* a, int64_t n, float* out) {
@@ -130,6 +161,39 @@ void axpys(T* o, const float* d, const T* b, int64_t rank, int64_t width, int64_
     o[c] = static_cast<T>(acc);
   }
 }
+
+template <typename T>
+void axpys2(T* o0, T* o1, const float* d0, const float* d1, const T* b, int64_t rank, int64_t width, int64_t n) {
+  axpys(o0, d0, b, rank, width, n);
+  axpys(o1, d1, b, rank, width, n);
+}
+#endif
+
+#if PAGECLI_HAVE_BF16_DOT
+// dots for bf16 rows and stacks on AVX512-BF16: pairs of products summed in float32 by the dot instruction, 32
+// per step, two sums per output (alternate blocks of 32), the last block masked with zeros past n, then the
+// two sums' lanes in one fixed tree. One order per output whatever N is, as the float32 dots.
+template <int N>
+void dots(const c10::BFloat16* x, const c10::BFloat16* const* a, int64_t n, float* out) {
+  __m512 acc[N][2];
+  for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k), x1 = (__m512bh)_mm512_loadu_si512(x + k + 32);
+    for (int j = 0; j < N; ++j) {
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], x0, (__m512bh)_mm512_loadu_si512(a[j] + k));
+      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], x1, (__m512bh)_mm512_loadu_si512(a[j] + k + 32));
+    }
+  }
+  for (int half = 0; k < n; k += 32, half ^= 1) {
+    const __mmask32 live = n - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - k)) - 1;
+    const __m512bh xk = (__m512bh)_mm512_maskz_loadu_epi16(live, x + k);
+    for (int j = 0; j < N; ++j) {
+      acc[j][half] = _mm512_dpbf16_ps(acc[j][half], xk, (__m512bh)_mm512_maskz_loadu_epi16(live, a[j] + k));
+    }
+  }
+  for (int j = 0; j < N; ++j) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]));
+}
 #endif
 
 // Scratch for the rows' down products: the team's shared memory inside a DecodeStep team, else our own.
@@ -145,7 +209,7 @@ float* down_scratch(int64_t floats, std::vector<float>& own) {
 // sums in float32, each output rounded to T once.
 template <typename T>
 void add_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-              const int64_t* slot, const float* scale) {
+              const int64_t* slot, const float* scale, const int32_t* tile_rank) {
   const int64_t rows = x.size(0), in = x.size(1), width = out.size(1), rank = a.size(1);
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
@@ -176,12 +240,19 @@ void add_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a
   parallel_shared(tiles, [&](SharedWork::Cursor& cursor) {
     for (int64_t t; (t = cursor.next()) >= 0;) {
       const int64_t c0 = t * kTile, n = std::min(kTile, width - c0);
+      const int64_t j0 = tile_rank ? tile_rank[2 * t] : 0, j1 = tile_rank ? tile_rank[2 * t + 1] : rank;
+      if (j0 >= j1) continue;  // every slot's b is zero over this tile
       for (int64_t first = 0; first < rows;) {  // a run of rows of one slot: its b tile read once
         int64_t end = first + 1;
         while (end < rows && slot[end] == slot[first]) ++end;
         if (slot[first] >= 0) {
-          const T* bs = bp + slot[first] * rank * width + c0;
-          for (int64_t r = first; r < end; ++r) axpys(op + r * out_stride + c0, down + r * rank, bs, rank, width, n);
+          const T* bs = bp + (slot[first] * rank + j0) * width + c0;  // rows j0.. of the slot's b, this tile
+          int64_t r = first;
+          for (; r + 2 <= end; r += 2) {
+            axpys2(op + r * out_stride + c0, op + (r + 1) * out_stride + c0, down + r * rank + j0,
+                   down + (r + 1) * rank + j0, bs, j1 - j0, width, n);
+          }
+          if (r < end) axpys(op + r * out_stride + c0, down + r * rank + j0, bs, j1 - j0, width, n);
         }
         first = end;
       }
@@ -191,10 +262,33 @@ void add_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a
 
 bool lora_dtype(at::ScalarType type) { return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf; }
 
+// Per 64-column tile of b [slots, rank, width], the [first, end) of its rank rows that hold a nonzero in that tile
+// for some slot ({0, 0}: none). A fused product's stacks (qkv, gate_up) are zero off each part's block: q's rows
+// over k's and v's columns, and so on, a third to a half of their up products.
+std::vector<int32_t> tile_ranks(const torch::Tensor& b) {
+  const int64_t rank = b.size(1), width = b.size(2), tiles = (width + kTile - 1) / kTile;
+  auto used = torch::zeros({rank, tiles * kTile}, torch::kBool);  // [rank, tiles * kTile]
+  used.narrow(1, 0, width).copy_(b.ne(0).any(0));
+  const auto any = used.view({rank, tiles, kTile}).any(2).contiguous();  // [rank, tiles]
+  const auto seen = any.accessor<bool, 2>();
+  std::vector<int32_t> ranges(2 * tiles, 0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    int32_t first = -1, end = 0;
+    for (int64_t j = 0; j < rank; ++j) {
+      if (!seen[j][t]) continue;
+      if (first < 0) first = static_cast<int32_t>(j);
+      end = static_cast<int32_t>(j + 1);
+    }
+    ranges[2 * t] = first < 0 ? 0 : first;
+    ranges[2 * t + 1] = end;
+  }
+  return ranges;
+}
+
 }  // namespace
 
 void lora_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-               const torch::Tensor& row_slot, const torch::Tensor& row_scale) {
+               const torch::Tensor& row_slot, const torch::Tensor& row_scale, const int32_t* tile_rank) {
   TORCH_CHECK(lora_dtype(x.scalar_type()) && out.scalar_type() == x.scalar_type() &&
                   a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
               "lora_add_: x, out, a and b of one dtype: float32, bfloat16 or float16");
@@ -211,9 +305,9 @@ void lora_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& 
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] < slots, "lora_add_: a row's slot is out of range");
   const float* scale = row_scale.data_ptr<float>();
   switch (x.scalar_type()) {
-    case at::kBFloat16: add_rows<c10::BFloat16>(out, x, a, b, slot, scale); break;
-    case at::kHalf: add_rows<c10::Half>(out, x, a, b, slot, scale); break;
-    default: add_rows<float>(out, x, a, b, slot, scale);
+    case at::kBFloat16: add_rows<c10::BFloat16>(out, x, a, b, slot, scale, tile_rank); break;
+    case at::kHalf: add_rows<c10::Half>(out, x, a, b, slot, scale, tile_rank); break;
+    default: add_rows<float>(out, x, a, b, slot, scale, tile_rank);
   }
 }
 
@@ -221,6 +315,7 @@ LoraStacks::LoraStacks(std::vector<std::vector<c10::optional<torch::Tensor>>> la
   for (auto& layer : layers) {
     TORCH_CHECK(layer.size() == 8, "LoraStacks: each layer needs a and b of its 4 products");
     std::vector<torch::Tensor> a(4), b(4);
+    std::vector<std::vector<int32_t>> ranks(4);
     for (int which = 0; which < 4; ++which) {
       TORCH_CHECK(layer[2 * which].has_value() == layer[2 * which + 1].has_value(), "LoraStacks: a without b");
       if (!layer[2 * which].has_value()) continue;
@@ -231,9 +326,13 @@ LoraStacks::LoraStacks(std::vector<std::vector<c10::optional<torch::Tensor>>> la
                       (!dtype_ || *dtype_ == a[which].scalar_type()),
                   "LoraStacks: contiguous stacks of one dtype (float32, bfloat16 or float16)");
       dtype_ = a[which].scalar_type();
+      // float32 adds every rank row (its bits as they always were: adding a zero product can turn a -0 into
+      // +0); bf16/fp16 skip the rows that are zero over a tile.
+      if (*dtype_ != at::kFloat) ranks[which] = tile_ranks(b[which]);
     }
     a_.push_back(std::move(a));
     b_.push_back(std::move(b));
+    tile_rank_.push_back(std::move(ranks));
   }
 }
 
@@ -241,7 +340,8 @@ void LoraStacks::add(int64_t layer, int64_t which, const torch::Tensor& x, torch
                      const torch::Tensor& row_slot, const torch::Tensor& row_scale) const {
   TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "LoraStacks.add: no such product");
   if (!a_[layer][which].defined()) return;
-  lora_add_(out, x, a_[layer][which], b_[layer][which], row_slot, row_scale);
+  const auto& ranges = tile_rank_[layer][which];
+  lora_add_(out, x, a_[layer][which], b_[layer][which], row_slot, row_scale, ranges.empty() ? nullptr : ranges.data());
 }
 
 }  // namespace pagecli

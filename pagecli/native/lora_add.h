@@ -15,9 +15,11 @@ namespace pagecli {
 // [rows] int64, row_scale [rows] float32. Each row's sums run in
 // one fixed order whatever the other rows are and however the threads share the work, so a request
 // gets the same bits in any batch, in the one-call decode step and in the Python layer loop alike.
-// Inside a DecodeStep team every member calls it (the work is shared out among them).
+// Inside a DecodeStep team every member calls it (the work is shared out among them). tile_rank: null, or per
+// 64-column tile of out the [first, end) of b's rank rows with a nonzero there (LoraStacks' bf16/fp16 stacks):
+// the up products over that tile run those rows only.
 void lora_add_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-               const torch::Tensor& row_slot, const torch::Tensor& row_scale);
+               const torch::Tensor& row_slot, const torch::Tensor& row_scale, const int32_t* tile_rank = nullptr);
 
 // The loaded adapters' stacks per layer and product (qkv, o, gate_up, down), as lora_add_ takes them;
 // an undefined pair where no loaded adapter targets that product.
@@ -36,6 +38,7 @@ class LoraStacks {
 
  private:
   std::vector<std::vector<torch::Tensor>> a_, b_;  // [layer][which], undefined where untargeted
+  std::vector<std::vector<std::vector<int32_t>>> tile_rank_;  // [layer][which]: lora_add_'s tile_rank, or empty
   c10::optional<at::ScalarType> dtype_;
 };
 
