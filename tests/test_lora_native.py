@@ -73,6 +73,33 @@ def test_bf16_and_fp16_rows_gain_the_product_summed_in_float32_and_rounded_once(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_stacks_of_a_fused_product_add_what_the_plain_kernel_adds(ops, dtype):
+    """A fused product's stacks are zero off each part's block (q's rank rows over k's and v's columns); LoraStacks
+    skips those rows tile by tile in bf16/fp16. Parts of 100, 40 and 70 columns cut 64-column tiles mid-way, and
+    slot 1 has a smaller rank in the second part (zero rows inside a block)."""
+    g = torch.Generator().manual_seed(3)
+    parts, rank = [100, 40, 70], 8
+    a = torch.randn(3, rank * len(parts), 50, generator=g)  # [slots, rank of each part stacked, in]
+    b = torch.zeros(3, rank * len(parts), sum(parts))  # [slots, rank, out]: part i's rows over its columns only
+    start = 0
+    for i, width in enumerate(parts):
+        b[:, i * rank:(i + 1) * rank, start:start + width] = torch.randn(3, rank, width, generator=g) * 0.1
+        start += width
+    b[1, rank + 5:2 * rank] = 0
+    a, b = a.to(dtype), b.to(dtype)
+    x = torch.randn(9, 50, generator=g).to(dtype)
+    out = torch.randn(9, sum(parts), generator=g).to(dtype)
+    row_slot = torch.tensor([0, 0, -1, 1, 1, 1, 2, -1, 2])
+    row_scale = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 2.0, 0.0, 2.0])
+    plain = out.clone()
+    ops.lora_add_(plain, x, a, b, row_slot, row_scale)
+    held = out.clone()
+    ops.LoraStacks([[a, b, None, None, None, None, None, None]]).add(0, 0, x, held, row_slot, row_scale)
+    assert torch.equal(held, plain)
+    assert not torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(ops, dtype):
     a, b = (t.to(dtype) for t in stacks(4, 16, 576, 960, seed=1))
     x = torch.randn(40, 576).to(dtype)
