@@ -46,8 +46,9 @@ def test_generate_runs_each_line_on_its_adapter(tiny_llama, adapters, expected, 
     lines = [{"id": name or "base", "messages": MESSAGES, **({"lora": name} if name else {})} for name in ("r8", None, "r4")]
     lines.append({"id": "unknown", "messages": MESSAGES, "lora": "nope"})
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    # float32 as `expected` (the CPU's default dtype may be bf16, whose tokens are not float32's)
     code = main(["generate", str(src), "-o", str(dst), "-m", str(tiny_llama), "-t", "0", "-n", "6", "--ignore-eos",
-                 "--no-disk-cache", "--threads", "1", *lora_flags(adapters)])
+                 "--no-disk-cache", "--threads", "1", "--dtype", "float32", *lora_flags(adapters)])
     assert code == 0
     records = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
     for name in ("r8", "r4"):

@@ -172,8 +172,9 @@ class CausalLM(nn.Module):
         # The C++ loop stands for the torch backend with the same kernels (base-model steps of decodes or short
         # chunks: CpuAttentionBackend.one_call_rows).
         one_call_rows = getattr(backend, "one_call_rows", None)  # the compiled CPU kernels' backend has it
-        # Adapter rows run there too where the CPU kernels hold the adapters (float32 rows: LoraBatch.native).
-        one_call = lora is None or (lora.native is not None and h.dtype == torch.float32)
+        # Adapter rows run there too where the CPU kernels hold the adapters (LoraBatch.native: stacks in the
+        # model's dtype, float32, bf16 or fp16).
+        one_call = lora is None or lora.native is not None
         rows = (one_call_rows(h, kv_caches, meta)
                 if self.decode_step is not None and one_call and one_call_rows is not None else None)
         if rows is not None and lora is not None:

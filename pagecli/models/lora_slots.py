@@ -4,8 +4,9 @@ step (decode rows) of all its adapters run as two batched products per product a
 Slot s holds the s-th loaded adapter; each product's stack is padded with zeros to the largest rank a loaded
 adapter has there (a zero row of A and column of B add nothing), and an adapter that does not target a product
 has zeros there. The stacks are rebuilt when the set of loaded adapters changes (a load, or one dropped for
-room): rare, and a copy of the adapters' own bytes. With pagecli's CPU kernels and float32 activations the
-stacks are also handed to them once (`native`, lora_add.h): then every adapter row of a step, decode or
+room): rare, and a copy of the adapters' own bytes. With pagecli's CPU kernels (float32, bf16 or fp16
+activations: the stacks stay in the model's dtype, the kernel sums in float32) the stacks are also handed to
+them once (`native`, lora_add.h): then every adapter row of a step, decode or
 prompt, in the one-call decode step or the Python layer loop, gets its low-rank add from one kernel whose
 sums run in one order per row, so a request's bits do not depend on the batch it runs in. With the Triton
 attention backend (`triton`) the same stacks feed the segmented Triton kernels (pagecli.kernels.lora), which
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from pagecli.models.lora import PRODUCTS, LoraAdapter
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes pagecli's lora_add_ takes
 
 
 class AdapterSlots:
@@ -48,7 +51,7 @@ class AdapterSlots:
             self.stacks.append({product: self._stack(layer, product) for product in sorted(products)})
         self.dtype = next(a.dtype for layer in self.stacks for a, _ in layer.values())
         device = next(a.device for layer in self.stacks for a, _ in layer.values())
-        if self.ops is not None and self.dtype == torch.float32 and device.type == "cpu":
+        if self.ops is not None and self.dtype in NATIVE_DTYPES and device.type == "cpu":
             self.native = self.ops.LoraStacks([[t for product in PRODUCTS for t in layer.get(product, (None, None))]
                                                for layer in self.stacks])
 

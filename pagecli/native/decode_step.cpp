@@ -66,7 +66,8 @@ torch::Tensor DecodeStep::forward_lora(torch::Tensor h, torch::Tensor positions,
                                        torch::Tensor row_scale) const {
   TORCH_CHECK(lora && lora->num_layers() == static_cast<int64_t>(layers_.size()),
               "forward_lora: stacks for every layer of the model");
-  TORCH_CHECK(h.scalar_type() == at::kFloat, "forward_lora runs float32 rows");
+  // Checked here, not in a team's lora_add_ (an error thrown inside the parallel region cannot reach the caller).
+  TORCH_CHECK(!lora->dtype() || *lora->dtype() == h.scalar_type(), "forward_lora: rows in the stacks' dtype");
   const LoraRows rows{*lora, row_slot, row_scale};
   return run(std::move(h), positions, kv_caches, block_tables, seq_lens, slots, &rows);
 }

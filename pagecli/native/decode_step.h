@@ -54,7 +54,8 @@ class DecodeStep {
                         torch::Tensor seq_lens, torch::Tensor slots) const;
 
   // forward() with LoRA adapter rows: after each product, the rows of row_slot >= 0 gain their adapter's
-  // low-rank product from `lora` (lora_add.h), as the Python layer loop adds them (float32 h).
+  // low-rank product from `lora` (lora_add.h), as the Python layer loop adds them (h in the stacks' dtype:
+  // float32, bf16 or fp16).
   torch::Tensor forward_lora(torch::Tensor h, torch::Tensor positions, torch::Tensor kv_caches,
                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor slots,
                              std::shared_ptr<LoraStacks> lora, torch::Tensor row_slot, torch::Tensor row_scale) const;
