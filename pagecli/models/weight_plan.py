@@ -156,8 +156,8 @@ class WeightPlan:
 def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None,
                  gguf_types: Mapping[str, int] | None = None, llama_shaped: bool = True) -> WeightPlan:
     """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
-    kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for a model converted from a .gguf file
-    (gguf_files.tensor_types), else None; llama_shaped: whether the architecture's layers are the ones the
+    kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for
+    a model converted from a .gguf file (gguf_files.tensor_types), else None; llama_shaped: whether the architecture's layers are the ones the
     one-call decode step runs (DecoderSpec.llama_shaped: not Gemma's soft-capping, sliding layers, norms
     after each block and GeGLU, nor partial rotary). Refuses --quantize off the CPU, and gguf for another model."""
     if quantize not in ("auto", "none", *QUANTIZED):
