@@ -2,8 +2,8 @@
 
 It covers the weights (each safetensors file's header, which names every tensor with its
 dtype, shape and byte offsets, plus the file size and a digest of sampled bytes of the
-data; for a converted GGUF folder, the same of the GGUF file that holds its quantized
-weights: gguf_weights.source_digest), the tokenizer files, the chat template, the KV dtype, the block size and the cache
+data; for a converted GGUF folder, its record of the weights left in the GGUF file, the file's size and
+sampled bytes of it), the tokenizer files, the chat template, the KV dtype, the block size and the cache
 layout version. Prefix-cache hash chains are rooted in it, so KV computed by any other
 model or setting can never be found.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from pagecli.models.gguf_weights import source_digest
+from pagecli.models.gguf_files import RECORD_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -36,11 +36,32 @@ def weights_digest(folder: Path) -> str:
             header_len_bytes = f.read(8)
             header_len = struct.unpack("<Q", header_len_bytes)[0] if len(header_len_bytes) == 8 else 0
             h.update(file.name.encode() + size.to_bytes(8, "little") + f.read(min(header_len, size)))
-            for fraction in (0.25, 0.5, 0.75, 1.0):  # sampled data: a retrained model with the same shapes differs
-                f.seek(max(0, int(size * fraction) - _SAMPLE_BYTES))
-                h.update(f.read(_SAMPLE_BYTES))
-    h.update(source_digest(folder).encode())  # the weights left in a GGUF file, which no safetensors holds
+            _sample(h, f, size, (0.25, 0.5, 0.75, 1.0))  # a retrained model with the same shapes differs
+    _gguf_file(h, folder)
     return h.hexdigest()
+
+
+def _sample(h: Any, f: BinaryIO, size: int, fractions: tuple[float, ...]) -> None:
+    """_SAMPLE_BYTES of the open file ending at each fraction of its size (from its start at 0) into h."""
+    for fraction in fractions:
+        f.seek(max(0, int(size * fraction) - (_SAMPLE_BYTES if fraction else 0)))
+        h.update(f.read(_SAMPLE_BYTES))
+
+
+def _gguf_file(h: Any, folder: Path) -> None:
+    """The weights a converted GGUF folder leaves in its file (gguf_weights), which no safetensors holds: the
+    folder's record of them, the file's size and sampled bytes of it (the first and a few spread over the
+    tensors: another file of the same shapes differs). Nothing for a folder that holds every weight."""
+    record = folder / RECORD_FILE
+    if not record.is_file():
+        return
+    from pagecli.models.gguf_weights import source_file
+
+    source = source_file(folder)
+    size = source.stat().st_size
+    h.update(hashlib.blake2b(record.read_bytes(), digest_size=16).digest() + size.to_bytes(8, "little"))
+    with source.open("rb") as f:
+        _sample(h, f, size, (0.0, 0.2, 0.4, 0.6, 0.8, 1.0))
 
 
 def tokenizer_digest(folder: Path, chat_template: str | None) -> str:

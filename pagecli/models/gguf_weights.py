@@ -13,7 +13,6 @@ Hugging Face folder).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -27,7 +26,6 @@ from pagecli.models.gguf_files import CONVERTED_MARKER, HELD_TYPES, RECORD_FILE,
 from pagecli.models.gguf_index import INDEX_FILE
 
 _SHARD_INDEX = "model.safetensors.index.json"
-_SAMPLE_BYTES = 1 << 16  # bytes of the file read at each of a few offsets for its digest
 
 
 def held_names(folder: Path) -> dict[str, str]:
@@ -48,7 +46,7 @@ def read_weights(folder: Path, names: list[str]) -> Iterator[tuple[str, Any]]:
     record = _record(folder)
     if record is None:
         raise ModelError(f"'{folder}' keeps no weights in a GGUF file.")
-    source = _source(folder)
+    source = source_file(folder)
     by_tensor: dict[str, set[str]] = {}
     for name in names:
         by_tensor.setdefault(record["tensors"][name], set()).add(name)
@@ -170,25 +168,6 @@ def write_full_folder(folder: Path, out: Path, max_shard_bytes: int = 1 << 30) -
     (out / _SHARD_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def source_digest(folder: Path) -> str:
-    """What a KV fingerprint knows of the weights left in the file, where the folder holds no floats of
-    them: the record, the file's size, and sampled bytes of the file (the first and a few spread over the
-    tensors: another file of the same shapes differs), as fingerprint.weights_digest samples safetensors.
-    Empty for a folder that holds every weight."""
-    record_path = folder / RECORD_FILE
-    if not record_path.is_file():
-        return ""
-    source = _source(folder)
-    size = source.stat().st_size
-    h = hashlib.blake2b(record_path.read_bytes(), digest_size=16)
-    h.update(size.to_bytes(8, "little"))
-    with source.open("rb") as file:
-        for fraction in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
-            file.seek(max(0, int(size * fraction) - (_SAMPLE_BYTES if fraction else 0)))
-            h.update(file.read(_SAMPLE_BYTES))
-    return h.hexdigest()
-
-
 def _record(folder: Path) -> dict[str, Any] | None:
     path = folder / RECORD_FILE
     if not path.is_file():
@@ -203,7 +182,7 @@ def _record(folder: Path) -> dict[str, Any] | None:
                          "(pagecli converts it anew).") from error
 
 
-def _source(folder: Path) -> Path:
+def source_file(folder: Path) -> Path:
     """The GGUF file the folder's held weights lie in, checked to be the size it was when converted."""
     source = gguf_source(folder)
     try:
