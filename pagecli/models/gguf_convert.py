@@ -234,10 +234,7 @@ def hf_tensors_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any
     expert = _is_expert(tensor.name, config)
     hf_name = _hf_tensor_name(tensor.name, arch)
     if hf_name is None and not expert:
-        raise ModelError(
-            f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
-            "does not have; pass the model's Hugging Face folder or hub id instead."
-        )
+        raise _not_in_model(gguf_path, tensor, config)
     weight = gguf_families.hf_weight(arch, tensor.name, dequantized(gguf_path, tensor) if weight is None else weight)
     if expert:
         layer, suffix = _LAYER_TENSOR.fullmatch(tensor.name).groups()
@@ -260,11 +257,13 @@ def hf_names_of(gguf_path: Path, tensor: Any, arch: str, config: dict[str, Any])
         return gguf_experts.hf_expert_names(config["model_type"], int(layer), suffix, num_experts)
     hf_name = _hf_tensor_name(tensor.name, arch)
     if hf_name is None:
-        raise ModelError(
-            f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} model "
-            "does not have; pass the model's Hugging Face folder or hub id instead."
-        )
+        raise _not_in_model(gguf_path, tensor, config)
     return [hf_name]
+
+
+def _not_in_model(gguf_path: Path, tensor: Any, config: dict[str, Any]) -> ModelError:
+    return ModelError(f"GGUF file '{gguf_path}' has a tensor '{tensor.name}' that a plain {config['model_type']} "
+                      "model does not have; pass the model's Hugging Face folder or hub id instead.")
 
 
 def dequantized(gguf_path: Path, tensor: Any) -> np.ndarray:
@@ -307,8 +306,10 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
     from safetensors.numpy import save_file
 
     arch = _architecture(reader)
-    held = [tensor for tensor in _weight_tensors(reader) if held_in_file(tensor)]
-    written = [tensor for tensor in _weight_tensors(reader) if not held_in_file(tensor)]
+    held: list[Any] = []
+    written: list[Any] = []
+    for tensor in _weight_tensors(reader):
+        (held if held_in_file(tensor) else written).append(tensor)
     write_record(out_dir, {name: tensor.name for tensor in held
                                         for name in hf_names_of(gguf_path, tensor, arch, config)}, arch, config)
     shard_sizes: list[int] = [0]
