@@ -65,7 +65,7 @@ def read_weights(folder: Path, names: list[str]) -> Iterator[tuple[str, Any]]:
 
 def _dequantized(gguf_path: Path, tensor: Any) -> Any:
     """gguf_convert.dequantized's floats, the same values bit for bit, sooner: the block types through
-    gguf_blocks (a 7B model's Q4_0 table: 1.0 s on one Zen 4 thread), the others (a Q6_K output layer)
+    gguf_blocks (a 7B model's Q4_0 table: 1.0 s on one Zen 5 thread), the others (a Q6_K output layer)
     through the gguf package a few rows at a time, in PyTorch's threads (2.7 s on one thread, 7.7 s whole)."""
     import numpy as np
     import torch
