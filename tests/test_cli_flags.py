@@ -226,7 +226,24 @@ def test_generate_help_names_its_argument_and_gives_flags_no_value(capsys, monke
     assert "Usage: pagecli generate [OPTIONS] INPUT" in text
     assert re.search(r"--kv-budget-gib\s+GIB", text)
     assert re.search(r"--no-prefix-caching\s+Recompute", text), "a flag shows no value placeholder"
-    assert re.search(r"--progress\s+--no-progress\s+Progress bar", text)
+    assert re.search(r"--progress / --no-progress\s+Progress bar", text)
+
+
+def test_help_groups_options_by_panel(capsys, monkeypatch):
+    text = rendered_help(("generate",), capsys, monkeypatch)
+    headings = [line.rstrip(":") for line in text.splitlines() if line and not line[0].isspace()][1:]
+    assert headings == ["Arguments", "Options", "Engine", "Sampling", "Ray cluster"], headings
+    engine = text.split("\nEngine:")[1].split("\nSampling:")[0]
+    sampling = text.split("\nSampling:")[1].split("\nRay cluster:")[0]
+    assert "--kv-budget-gib" in engine and "--temperature" not in engine
+    assert "--temperature" in sampling and "--kv-budget-gib" not in sampling
+    assert "╭" not in text and "\\[" not in text
+
+
+def test_group_help_lists_each_commands_first_sentence_whole(capsys, monkeypatch):
+    text = rendered_help((), capsys, monkeypatch)
+    assert "Generate completions for every request in INPUT and write them to OUTPUT." in " ".join(text.split())
+    assert "..." not in text.split("Commands:")[1]
 
 
 def test_tidy_restyles_every_parameter():

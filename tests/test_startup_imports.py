@@ -13,8 +13,10 @@ import pytest
 HEAVY = ("torch", "transformers", "triton")
 NATIVE_PREFIX = "pagecli_cpu_ops_"  # the compiled kernels' module names (pagecli.native)
 # The libraries `--help`, `generate --help` and `models` need none of (about 0.3 s between them): typer
-# coerces values through pydantic, and the GGUF type names come without gguf and numpy.
-NOT_FOR_THE_FIRST_COMMANDS = ("pydantic", "numpy", "gguf", "click", "safetensors", "tokenizers", "jinja2")
+# coerces values through pydantic, the GGUF type names come without gguf and numpy, and help is plain text
+# (typer's rich help imports markdown_it and pygments).
+NOT_FOR_THE_FIRST_COMMANDS = ("pydantic", "numpy", "gguf", "click", "safetensors", "tokenizers", "jinja2",
+                              "markdown_it", "pygments")
 PROBE = """
 import sys
 from pagecli.cli import main

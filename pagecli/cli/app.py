@@ -11,5 +11,5 @@ app = typer.Typer(
     help="Local LLM inference in the terminal: paged KV cache, prefix reuse, continuous batching.",
     add_completion=False,
     rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120},
 )

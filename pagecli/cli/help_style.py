@@ -7,6 +7,11 @@ shows its metavar (FILE, GIB, N) where one is declared and the value's kind othe
 line reads `pagecli generate [OPTIONS] INPUT`. `tidy(command)` applies that to a command tree (and keeps
 an unused `--help` from costing a pydantic import).
 
+`--help` is written as plain text, the options in sections by their panel (Options, Engine, Sampling, ...), not
+through typer's rich layout: importing typer's rich help (markdown parsing, rich tracebacks) and drawing its
+boxed tables took 0.1-0.2 s of a 0.3-0.4 s `pagecli generate --help` (issue 48's 0.3 s target), and the boxes
+squeezed each option's text into a third of an 80-column terminal. Usage errors keep typer's rich panel.
+
 Typer 0.29 also coerces every value that is not a flag's bool, None and the defaults included, through a pydantic
 TypeAdapter built per parameter: 0.15-0.3 s of every command that runs (importing pydantic, building ~40
 adapters), the first-token time of `chat` against a server included. A plain str, int, float or bool parameter
@@ -23,7 +28,7 @@ from typing import Any
 
 from typer import _click
 from typer._coercion import RuntimeParam, TypeDescriptor, build_runtime_param
-from typer.core import TyperArgument, TyperGroup, TyperOption
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 _KIND_NAMES = {int: "N", float: "NUMBER", str: "TEXT"}
 
@@ -105,6 +110,55 @@ class PlainOption(TyperOption):
         return super().get_runtime_param()
 
 
+# Sections in this order; any other panel (Ray cluster, ...) follows in the order its first option comes.
+_SECTIONS = ("Arguments", "Options", "Engine", "Sampling")
+
+
+def _options_by_panel(command: Any, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+    sections: dict[str, list[tuple[str, str]]] = {name: [] for name in _SECTIONS}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        if param.param_type_name == "argument":
+            sections["Arguments"].append(record)
+        else:
+            sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+    for name, rows in sections.items():
+        if rows:
+            with formatter.section(name):
+                formatter.write_dl(rows)
+
+
+class PlainHelpCommand(TyperCommand):
+    """A command whose `--help` is plain text in sections by panel (module docstring)."""
+
+    def format_help(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        _click.Command.format_help(self, ctx, formatter)
+
+    def format_options(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        _options_by_panel(self, ctx, formatter)
+
+
+class PlainHelpGroup(TyperGroup):
+    """A group whose `--help` is plain text: its options by panel, then its commands."""
+
+    def format_help(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        _click.Command.format_help(self, ctx, formatter)
+
+    def format_options(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        _options_by_panel(self, ctx, formatter)
+        self.format_commands(ctx, formatter)
+
+    def format_commands(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        # Each command's first sentence whole (typer's plain layout cuts it at the line's end with "...").
+        rows = [(name, command.get_short_help_str(limit=1_000)) for name in self.list_commands(ctx)
+                if (command := self.get_command(ctx, name)) is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 def tidy(command: Any) -> Any:
     """Give every parameter of `command` and its subcommands the plain help style; returns it."""
     for param in command.params:
@@ -116,8 +170,11 @@ def tidy(command: Any) -> Any:
         # first command that is not asked for help would import pydantic for it (about 0.1 s).
         help_option.default = False
     if isinstance(command, TyperGroup):
+        command.__class__ = PlainHelpGroup
         for sub in command.commands.values():
             tidy(sub)
+    elif isinstance(command, TyperCommand):
+        command.__class__ = PlainHelpCommand
     return command
 
 

@@ -177,7 +177,7 @@ RAY = "Ray cluster"
 # `generate` only: they set pagecli.cluster.launch.ClusterOptions fields (`field`), not engine settings.
 RAY_FLAGS: tuple[Flag, ...] = (
     Flag("ray", "enabled", bool, _opt(
-        "--ray", help="Run the lines on Ray workers, one engine each (needs pip install 'pagecli\\[ray]'; see "
+        "--ray", help="Run the lines on Ray workers, one engine each (needs pip install 'pagecli[ray]'; see "
                       "docs/RAY.md).", panel=RAY), value=False),
     Flag("ray_address", "address", Optional[str], _opt(
         "--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance on this machine).",
