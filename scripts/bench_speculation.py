@@ -98,7 +98,7 @@ def main() -> None:
                     help="the shipped sampling (temperature 0.7, top_p 0.95, seeded) instead of greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    configs = {"off": EngineConfig(disk_cache=False, threads=args.threads)}
+    configs = {"off": EngineConfig(disk_cache=False, threads=args.threads, speculate="off")}
     for k in (int(v) for v in args.k.split(",")):
         configs[f"ngram k={k}"] = EngineConfig(disk_cache=False, threads=args.threads, speculate="ngram",
                                                num_speculative_tokens=k)

@@ -6,7 +6,10 @@ import torch
 
 
 def recorded_logits(engine) -> list[torch.Tensor]:
-    """Wrap the engine's runner so every step's logits are kept, in step order."""
+    """Wrap the engine's runner so every step's logits are kept, in step order: one row a running sequence, so
+    the engine decodes plainly from here (speculation's checking steps have a row per draft; that they give plain
+    decoding's tokens is tests/test_speculation.py's)."""
+    engine.speculator = None
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 

@@ -94,11 +94,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                            "head: about twice the tokens in the same pool, at a small loss (docs/BENCHMARKS.md).",
         metavar="DTYPE")),
     Flag("speculate", "speculate", Optional[str], _opt(
-        "--speculate", help="off|ngram: speculative decoding. ngram (prompt lookup) proposes the tokens that "
-                            "followed the latest earlier occurrence of the output's last few tokens and checks "
-                            "them in one pass: the tokens plain decoding gives (greedy, or sampled with the same "
-                            "seed), several a step where the output repeats its input (editing, quoting). "
-                            "Default: off.",
+        "--speculate", help="auto|off|ngram: speculative decoding. ngram (prompt lookup) proposes the tokens "
+                            "that followed the latest earlier occurrence of the output's last few tokens and "
+                            "checks them in one pass: the tokens plain decoding gives (greedy, or sampled with the "
+                            "same seed), several a step where the output repeats its input (editing, quoting); "
+                            "one sequence at a time. auto (default): ngram on a CPU with pagecli's kernels, off "
+                            "on a GPU.",
         metavar="KIND")),
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),

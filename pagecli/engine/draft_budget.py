@@ -2,9 +2,11 @@
 
 A checking pass over d drafts yields 1 + a + a^2 + ... + a^d tokens on average when each draft is accepted
 with probability a once those before it were (a geometric model of prompt lookup: a copied stretch goes on
-or ends). It costs 1 + r * d plain steps, r being what one more row adds to a step: on a CPU the products'
+or ends). It costs 1 + c + r * d plain steps, r being what one more row adds to a step: on a CPU the products'
 work grows with the rows (about 0.45 of a one-row step on AVX2's int16 kernels, far less on AMX's bf16
-tiles). The budget takes the d <= K that maximises tokens / cost, and no drafts where no d beats a plain
+tiles); c what a checking pass costs beyond its rows (each row's sampling, the comparison, taking the drafts
+back): sampled open text at the `avx2` level, predicted 1.055x by the model without it (a = 0.54, r = 0.46),
+ran 0.98x (docs/benchmarks/speculation.md), so c = 0.08. The budget takes the d <= K that maximises tokens / cost, and no drafts where no d beats a plain
 step: on open text, where lookup rarely guesses right, a sequence stops drafting after a few misses.
 
 a is each sequence's own (DraftBudget): its accepted and rejected drafts, decayed so a stretch of copying or
@@ -23,16 +25,17 @@ PRIOR_ACCEPTED, PRIOR_DRAFTS = 1.0, 2.0  # a new sequence's acceptance: one half
 CPU_ROW_COST = 0.45  # r before a CPU engine has timed its own steps (AVX2's int16 products, measured)
 GPU_ROW_COST = 0.05  # r on a GPU: a decode step's few rows are memory-bound, not timed (no sync is added)
 MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.9
+PASS_COST = 0.08  # c: a checking pass's cost beyond its rows, as a share of a one-row step (module docstring)
 
 
 def best_length(acceptance: float, row_cost: float, limit: int) -> int:
-    """The d in 0..limit maximising (1 + a + ... + a^d) / (1 + r d); 0 where none beats a plain step."""
+    """The d in 0..limit maximising (1 + a + ... + a^d) / (1 + c + r d); 0 where none beats a plain step."""
     best, best_value = 0, 1.0
     expected, term = 1.0, 1.0
     for d in range(1, limit + 1):
         term *= acceptance
         expected += term
-        value = expected / (1.0 + row_cost * d)
+        value = expected / (1.0 + PASS_COST + row_cost * d)
         if value > best_value * (1.0 + 1e-9):
             best, best_value = d, value
     return best

@@ -38,7 +38,7 @@ from pagecli.engine.pool_sizing import pool_num_blocks
 from pagecli.engine.sampler import make_random, sample, skip_draw
 from pagecli.engine.scheduler import Scheduler, SchedulerOutput
 from pagecli.engine.sequence import Sequence
-from pagecli.engine.speculation import Speculator
+from pagecli.engine.speculation import Speculator, resolve_method
 from pagecli.engine.stats import EngineStats
 from pagecli.engine.structured import GrammarCompiler
 from pagecli.models.chat_template import apply_chat_template
@@ -171,8 +171,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
         self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
+        self.speculate = resolve_method(self.config, loaded.model, self.backend)  # --speculate, auto resolved
         self.speculator = (Speculator(self.config, self.kv, on_cpu=self.loaded.device.type == "cpu")
-                           if self.config.speculate != "off" else None)
+                           if self.speculate != "off" else None)
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0

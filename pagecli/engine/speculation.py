@@ -33,9 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from pagecli.attention.cpu_backend import SHORT_CHUNK_TOKENS
 from pagecli.config.settings import EngineConfig
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.draft_budget import CPU_ROW_COST, GPU_ROW_COST, DraftBudget, RowCost
@@ -44,6 +46,20 @@ from pagecli.engine.sampler import sample
 from pagecli.engine.scheduler import SchedulerOutput
 from pagecli.engine.sequence import Sequence
 from pagecli.native.interface import CpuOps
+
+
+def resolve_method(config: EngineConfig, model: Any, backend: Any) -> str:
+    """--speculate's method for this engine; auto is ngram where a checking step runs in the one-call decode
+    step (a CPU with pagecli's kernels, a model they run in one call, drafts that fit a short chunk): there it
+    gives plain decoding's tokens bit for bit and was never measured below 0.95x of plain decoding (open text,
+    greedy and sampled) while editing ran 1.3-1.7x (docs/benchmarks/speculation.md). Off elsewhere: on a GPU
+    it is not measured yet, and the PyTorch path's checking chunks are not plain decoding's bits."""
+    if config.speculate != "auto":
+        return config.speculate
+    one_call = (getattr(model, "decode_step", None) is not None and getattr(backend, "cpu_ops", None) is not None
+                and getattr(backend, "one_call_rows", None) is not None
+                and 1 + config.num_speculative_tokens <= SHORT_CHUNK_TOKENS)
+    return "ngram" if one_call else "off"
 
 
 def speculates(seq: Sequence) -> bool:
