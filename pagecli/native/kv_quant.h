@@ -97,23 +97,12 @@ inline void widen_quantized_tile(const uint8_t* const* rows, int64_t n, int64_t 
   }
 }
 
-// 16 values of a float cache row -> 16 floats at dst: fp32 as they are, bf16 zero-extended and
-// shifted into the high half, fp16 through F16C.
-inline void widen16(const float* p, float* dst) {
-  _mm256_storeu_ps(dst, _mm256_loadu_ps(p));
-  _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(p + 8));
-}
-inline void widen16(const c10::BFloat16* p, float* dst) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8),
-                      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16));
-}
-inline void widen16(const c10::Half* p, float* dst) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(bits)));
-  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
+// 16 values of a float cache row -> 16 floats at dst, by simd.h's load8: fp32 as they are, bf16
+// zero-extended and shifted into the high half, fp16 through F16C.
+template <typename scalar_t>
+inline void widen16(const scalar_t* p, float* dst) {
+  _mm256_storeu_ps(dst, load8(p));
+  _mm256_storeu_ps(dst + 8, load8(p + 8));
 }
 
 // The row formats the tiled decode kernel (decode_attention_tiled.cpp) reads: Elem is the

@@ -9,10 +9,6 @@
 #include "simd.h"
 #include "work_share.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -22,42 +18,7 @@ namespace {
 
 constexpr int64_t kTile = 64;  // output columns per unit of the up products
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 8 lanes of x, y or a stack widened to float32 (float32: as they are, so its sums are the same instructions),
-// and stored back rounded to nearest-even, as c10's conversions round (bf16 NaN stays a quiet NaN).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32: widen and shift left
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#if defined(__F16C__)
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#else
-inline __m256 load8(const c10::Half* p) {
-  alignas(32) float wide[8];
-  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
-  return _mm256_load_ps(wide);
-}
-#endif
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-inline void store8(c10::Half* p, __m256 v) {
-#if defined(__F16C__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
-  alignas(32) float wide[8];
-  _mm256_store_ps(wide, v);
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(wide[i]);
-#endif
-}
-
+#if defined(__AVX2__) && defined(__FMA__)  // load8/store8: simd.h
 // sum_k x[k] * a_j[k] for N rows a_j at once (x read once for all): per output 16 lanes, k in order within each
 // lane (fused multiply-adds in float32), then the lanes in order. Every output's sum runs in this one order
 // whatever N is.

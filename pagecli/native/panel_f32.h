@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "gemm_bf16.h"
+#include "tile_rows.h"
 #include "work_share.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -57,27 +58,6 @@ inline void store_tile(const float* sums, int64_t stride, int rows, const float*
     float* yr = y + r * N;
     for (int64_t c = 0; c < cols; ++c) yr[c] = bias ? s[c] + bias[c] : s[c];
   }
-}
-
-// f(std::integral_constant<int, R>()) for a tile of R = rows rows: 1-3 where the tile has two panels,
-// 1-kMaxRows (at most 6) where it has one (PanelTiling), so each tile size is its own compiled kernel.
-template <int P, int64_t kMaxRows = 6, typename F>
-void with_tile_rows(int64_t rows, const F& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>());
-    case 2: return f(std::integral_constant<int, 2>());
-    case 3: return f(std::integral_constant<int, 3>());
-    default: break;
-  }
-  if constexpr (P == 1 && kMaxRows > 3) {
-    switch (rows) {
-      case 4: return f(std::integral_constant<int, 4>());
-      case 5: return f(std::integral_constant<int, 5>());
-      case 6: return f(std::integral_constant<int, 6>());
-      default: break;
-    }
-  }
-  TORCH_CHECK(false, "panel product: no tile of ", rows, " rows by ", P, " panels");
 }
 
 #if PAGECLI_PANEL_F32
@@ -160,10 +140,11 @@ void panel_product(const Panels& w, const float* x, const float* bias, float* y,
   for_panel_tiles(M, N, [&](int P, int64_t rows, int64_t panel, int64_t m0, int64_t cols) {
     const int64_t c0 = panel * kPanelF32Cols;
     const Tile t{panel, x + m0 * K, bias ? bias + c0 : nullptr, y + m0 * N + c0, K, N, cols};
+    // A kernel per tile size: 1-3 rows by two panels, 1-6 by one (kF32Tiling).
     if (P == 2) {
-      with_tile_rows<2>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
+      with_rows_upto<kF32Tiling.two_panel_rows>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 2>(w, t); });
     } else {
-      with_tile_rows<1>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
+      with_rows_upto<kF32Tiling.row_block>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
     }
   });
 }

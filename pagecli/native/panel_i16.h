@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "panel_f32.h"
+#include "tile_rows.h"
 #include "work_share.h"
 
 namespace pagecli {
@@ -238,17 +239,6 @@ void tile_kernel512(const Pairs& w, const Tile& t) {
   }
   store_tile(&acc[0][0][0], P * 16, R, t.bias, t.y, t.N, t.cols);
 }
-
-// f(std::integral_constant<int, R>()) for R = rows, 1 <= rows <= kMax: each tile size its own kernel.
-template <int kMax, int R = 1, typename F>
-void with_rows_upto(int64_t rows, const F& f) {
-  if constexpr (R <= kMax) {
-    if (rows == R) return f(std::integral_constant<int, R>());
-    return with_rows_upto<kMax, R + 1>(rows, f);
-  } else {
-    TORCH_CHECK(false, "panel product: no int16 tile of ", rows, " rows");
-  }
-}
 #else
 #define PAGECLI_PANEL_I16_512 0
 #endif
@@ -290,7 +280,7 @@ void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, 
   for_panel_tiles(M, N, [&](int P, int64_t n_rows, int64_t panel, int64_t m0, int64_t cols) {
     const Tile t = tile_at(panel, m0, cols);
     TORCH_CHECK(P == 1 && n_rows <= kI16Tiling.row_block, "panel product: no int16 tile of ", n_rows, " rows by ", P, " panels");
-    with_tile_rows<1, kI16Tiling.row_block>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
+    with_rows_upto<kI16Tiling.row_block>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
   }, kI16Tiling);
 }
 #endif

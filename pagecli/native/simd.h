@@ -1,6 +1,6 @@
 // SIMD and AMX tile helpers shared by pagecli's CPU kernels: the level macros (which of AVX-512,
-// AVX512-BF16 and AMX this build has), dtype dispatch, 16-lane loads/stores/rounding in each
-// engine dtype, exp, lane sums, and the AMX tile configuration and moves.
+// AVX512-BF16 and AMX this build has), dtype dispatch, 8-lane (AVX2) and 16-lane (AVX-512)
+// loads/stores/rounding in each engine dtype, exp, lane sums, and the AMX tile configuration and moves.
 
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -40,6 +40,44 @@ namespace pagecli {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 values widened to float32 (float32: as they are, so sums over them are the same instructions) and stored
+// back rounded to nearest-even, as c10's conversions round (bf16 NaN stays a quiet NaN): load16/store16 below
+// on AVX2's 256-bit registers.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32: widen and shift left
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#else
+inline __m256 load8(const c10::Half* p) {
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
+}
+#endif
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(c10::Half* p, __m256 v) {
+#if defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  alignas(32) float wide[8];
+  _mm256_store_ps(wide, v);
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(wide[i]);
+#endif
+}
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
