@@ -15,7 +15,8 @@ Each command runs once first (not counted: bytecode written, the model converted
   10 ms), then SIGTERM; `serve /health (any answer)`: to the first answer of any status (since the loading
   answers, a 503 `{"status": "loading"}` while the model loads; before them, the first 200);
 - with --server-runs: the same `chat` and `generate` while a `pagecli serve --keep-alive 10m` of the same model
-  runs: the newer tree finds it in the registry (plain `pagecli chat`), the older one is given `--server URL`.
+  runs: the newer tree finds it in the registry (plain `pagecli chat`), the older one is given `--server URL`;
+  and `chat --server URL` (both trees) given 3 s to come up, then from writing the message to the reply's first byte.
 
 Peak RSS and the process's CPU seconds (user + system: less at the mercy of a shared machine than the wall
 time, though a busy core's caches still cost some) come from wait4. OMP_NUM_THREADS=1 unless --threads says otherwise (the machine is shared; see
@@ -85,6 +86,29 @@ def run_first_byte(args: list[str], env: dict[str, str], stdin: bytes) -> tuple[
     process.stdout.read()
     rss = wait_rss(process)
     return elapsed, rss
+
+
+def run_first_byte_after_message(args: list[str], env: dict[str, str], message: bytes,
+                                  settle_s: float = 3.0) -> tuple[float, int]:
+    """The client started and left settle_s to come up and wait for its first line; then the time from writing
+    the message to the reply's first byte on stdout (whatever it wrote before the message is not counted)."""
+    process = subprocess.Popen([PYTHON, "-m", "pagecli", *args], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    time.sleep(settle_s)
+    assert process.poll() is None, f"pagecli {' '.join(args)} exited before the message"
+    os.set_blocking(process.stdout.fileno(), False)
+    while process.stdout.read(65536):  # what it wrote while coming up
+        pass
+    os.set_blocking(process.stdout.fileno(), True)
+    start = time.perf_counter()
+    process.stdin.write(message)
+    process.stdin.flush()
+    first = process.stdout.read(1)
+    elapsed = time.perf_counter() - start
+    assert first, f"pagecli {' '.join(args)} wrote nothing"
+    process.stdin.close()
+    process.stdout.read()
+    return elapsed, wait_rss(process)
 
 
 def free_port() -> int:
@@ -205,6 +229,7 @@ def main() -> None:
         server, url = start_server(env_for(None, options.threads))
         try:
             for name, args in (("chat first token, a server running", ["chat", "-n", "16", "-t", "0"]),
+                               ("chat first token after the message, a server running", "after"),
                                ("generate 1 line, a server running", None)):
                 runs = {tree: [] for tree in trees}
                 for _ in range(options.runs + 1):
@@ -213,6 +238,9 @@ def main() -> None:
                         env = env_for(path, options.threads)
                         if args is None:
                             runs[tree].append(timed(generate, env, *extra))
+                        elif args == "after":
+                            chat = ["chat", "-n", "16", "-t", "0", "--server", url]
+                            runs[tree].append(timed(lambda e, *x: run_first_byte_after_message(chat, e, b"Hi\n"), env))
                         else:
                             runs[tree].append(timed(lambda e, *x: run_first_byte([*args, *x], e, b"Hi\n"), env, *extra))
                 results[name] = {tree: summary(values[1:]) for tree, values in runs.items()}

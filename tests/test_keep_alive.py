@@ -278,3 +278,76 @@ def test_generate_sends_its_lines_to_a_registered_server_and_writes_what_a_local
         return [json.loads(line)["text"] for line in (tmp_path / name).read_text().splitlines()]
 
     assert texts("served.jsonl") == texts("local.jsonl")
+
+
+# --- --keep-alive on chat and generate: start one where none runs -------------------------------------------
+
+def test_the_flags_given_reach_a_started_server_as_the_same_settings(monkeypatch, tmp_path):
+    """RunFlags.as_args: what a command was given, read back by `pagecli serve`, gives the same engine and
+    sampling settings (the registry then matches the server to the command)."""
+    from pagecli.cli import options as o
+    from pagecli.serve import startup
+
+    profile = tmp_path / "p.toml"
+    profile.write_text("[engine]\nblock_size = 32\n[sampling]\ntop_k = 7\n")
+    values = {"dtype": "float32", "disk_cache": False, "no_prefix_caching": True, "threads": 1, "kv_budget_gib": 0.5,
+              "stop": ["a", "b c"], "temperature": 0.0, "max_tokens": 16, "ignore_eos": True, "seed": 3,
+              "speculate": "off"}
+    flags = o.RunFlags(None, str(profile), values)
+    expected = flags.settings(model="some-model")
+    served = []
+    monkeypatch.setattr(startup, "run_server", lambda settings, options: served.append(settings) or 0)
+    assert main(["serve", "--port", "0", *flags.as_args("some-model")]) == 0
+    [settings] = served
+    assert settings.model == "some-model"
+    assert settings.engine == expected.engine and settings.sampling == expected.sampling
+    assert settings.engine.block_size == 32 and settings.sampling.top_k == 7  # the profile went along
+    assert registry.engine_digest(settings.engine) == registry.engine_digest(expected.engine)
+
+
+@pytest.mark.parametrize("extra", [["--local"], ["--server", "http://127.0.0.1:9"]], ids=["local", "server"])
+def test_keep_alive_beside_local_or_server_is_one_sentence(extra, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    assert main(["generate", str(source), "-o", str(tmp_path / "out.jsonl"), "--keep-alive", "5m", *extra]) != 0
+    assert "--keep-alive starts a server here and uses it; leave out" in capsys.readouterr().err
+    assert main(["chat", "--keep-alive", "5m", *extra]) != 0
+    assert "--keep-alive starts a server here and uses it; leave out" in capsys.readouterr().err
+    assert registry.recorded() == []
+
+
+def test_generate_with_keep_alive_starts_a_server_once_and_the_next_run_uses_it(tiny_llama, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    args = ["generate", str(source), "--model", str(tiny_llama), "--temperature", "0", "--max-tokens", "5",
+            "--no-progress", "--keep-alive", "1m", *CLI_FLAGS]
+    try:
+        assert main([*args, "-o", str(tmp_path / "first.jsonl")]) == 0
+        err = capsys.readouterr().err
+        assert "Starting `pagecli serve --keep-alive 1m` in the background" in err and USING in err, err
+        [(_, entry)] = registry.recorded()
+        assert entry.model_identity == model_identity(str(tiny_llama)) and entry.keep_alive_s == 60.0
+        assert main([*args, "-o", str(tmp_path / "second.jsonl")]) == 0
+        err = capsys.readouterr().err
+        assert "Starting" not in err and f"{USING} {entry.url}" in err, err
+        assert [pid for _, pid in [(e.url, e.pid) for _, e in registry.recorded()]] == [entry.pid]
+        assert main([*args[:-len(CLI_FLAGS) - 2], *CLI_FLAGS, "-o", str(tmp_path / "local.jsonl"), "--local"]) == 0
+    finally:
+        for _, running in registry.recorded():
+            os.kill(running.pid, 15)
+
+    def texts(name: str) -> list[str]:
+        return [json.loads(line)["text"] for line in (tmp_path / name).read_text().splitlines()]
+
+    assert texts("first.jsonl") == texts("second.jsonl") == texts("local.jsonl")
+
+
+def test_a_server_that_cannot_start_is_one_sentence_naming_its_output(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(missing),
+                 "--keep-alive", "1m", *CLI_FLAGS]) != 0
+    err = capsys.readouterr().err
+    assert "The keep-alive server stopped before it was ready" in err and "started.log" in err, err
+    assert "Traceback" not in err and registry.recorded() == []

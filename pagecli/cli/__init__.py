@@ -77,6 +77,7 @@ def generate(
         "--max-line-bytes", min=1, metavar="BYTES",
         help="Longest input line read (in UTF-8 bytes); a longer one stops the run before anything runs.")]
     = 4 << 20,  # input_lines.DEFAULT_MAX_LINE_BYTES, written out so this module imports nothing more
+    keep_alive: o.KeepAliveStartOpt = None,
 ) -> None:
     """Generate completions for every request in INPUT and write them to OUTPUT."""
     if format not in ("auto", "jsonl", "text"):
@@ -88,12 +89,15 @@ def generate(
         raise PagecliError("--server sends the lines to one running server; leave out --ray.")
     if server is not None and local:
         raise PagecliError("--server sends the lines to a running server and --local loads the model here; pass one.")
+    o.refuse_keep_alive_with(keep_alive, server, local, ray=cluster is not None)
     settings = flags.settings()
     found = None
     if server is None and cluster is None and not local:
-        from pagecli.cli.running_server import running_server_for
+        from pagecli.cli.running_server import running_server_for, start_keep_alive_server
 
         found = running_server_for(settings, api_key)
+        if found is None and keep_alive is not None:
+            found = start_keep_alive_server(settings, flags.as_args(settings.model), keep_alive, api_key)
     if server is None and found is None and api_key is not None:
         raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     code = run_generate(settings, input, output, format, progress, retry_errors=retry_errors,

@@ -63,6 +63,7 @@ def chat(
     list_sessions: ListSessionsOpt = False, input: InputOpt = None, jsonl: JsonlOpt = False,
     no_truncate: NoTruncateOpt = False, no_pool: NoPoolOpt = False, max_line_bytes: MaxLineOpt = _MAX_LINE_BYTES,
     server: ServerOpt = None, api_key: ApiKeyOpt = None, local: LocalOpt = False,
+    keep_alive: o.KeepAliveStartOpt = None,
 ) -> None:
     """Chat with a model: streaming replies, cached history, a live view of the KV block pool."""
     from pagecli.chat import session as sessions
@@ -76,11 +77,14 @@ def chat(
     o.refuse_candidates(settings, "chat")
     if server is not None and local:
         raise PagecliError("--server chats through a running server and --local loads the model here; pass one.")
+    o.refuse_keep_alive_with(keep_alive, server, local)
     found = None
     if server is None and not local:
-        from pagecli.cli.running_server import running_server_for
+        from pagecli.cli.running_server import running_server_for, start_keep_alive_server
 
         found = running_server_for(settings, api_key)
+        if found is None and keep_alive is not None:
+            found = start_keep_alive_server(settings, flags.as_args(settings.model), keep_alive, api_key)
     if server is None and found is None and api_key is not None:
         raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,

@@ -175,6 +175,22 @@ SAMPLING_FLAGS: tuple[Flag, ...] = (
 
 RAY = "Ray cluster"
 
+# chat and generate: start a keep-alive server where none runs (cli/running_server.py).
+KeepAliveStartOpt = Annotated[Optional[str], typer.Option(
+    "--keep-alive", metavar="DURATION", show_default=False,
+    help="Where no `pagecli serve --keep-alive` of this model and these flags runs, start one in the background "
+         "(it stops DURATION after its last request: 30s, 5m, 1h) and use it: the next chat or generate of the "
+         "same model then starts in a blink instead of loading the model.")]
+
+
+def refuse_keep_alive_with(keep_alive: str | None, server: str | None, local: bool, ray: bool = False) -> None:
+    """--keep-alive starts and uses a server on this machine: one sentence beside --server, --local or --ray."""
+    if keep_alive is None:
+        return
+    for given, name in ((server is not None, "--server"), (local, "--local"), (ray, "--ray")):
+        if given:
+            raise PagecliError(f"--keep-alive starts a server here and uses it; leave out {name}.")
+
 # `generate` only: they set pagecli.cluster.launch.ClusterOptions fields (`field`), not engine settings.
 RAY_FLAGS: tuple[Flag, ...] = (
     Flag("ray", "enabled", bool, _opt(
@@ -261,6 +277,28 @@ class RunFlags:
         sampling = {**(sampling_unless_given or {}), **_given(SAMPLING_FLAGS, self.values)}
         return RunSettings(model or self.model or profile.model, profile, profile.engine_config(**engine),
                            profile.sampling_params(**sampling))
+
+
+    def as_args(self, model: str | None) -> list[str]:
+        """The profile and the flags given, as the arguments another pagecli command takes to reach the same
+        settings (a keep-alive server started for this command: cli/running_server.py), with `model` as --model."""
+        args = [*(["--model", model] if model else []), *(["--profile", self.profile] if self.profile else [])]
+        for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS):
+            value = self.values.get(flag.name, flag.value)
+            if value is None or value == flag.value:
+                continue
+            # typer keeps an Annotated option's first declaration as its `default`
+            name = next(d for d in (flag.option.default, *flag.option.param_decls) if str(d).startswith("--"))
+            if "/" in name:  # --x/--no-x
+                on, off = name.split("/")
+                args.append(on if value else off)
+            elif isinstance(value, bool):
+                args.append(name)
+            elif isinstance(value, (list, tuple)):
+                args.extend(arg for item in value for arg in (name, str(item)))
+            else:
+                args.extend((name, str(value)))
+        return args
 
 
 def refuse_candidates(settings: RunSettings, command: str) -> None:
