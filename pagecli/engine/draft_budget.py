@@ -6,8 +6,9 @@ or ends). It costs 1 + c + r * d plain steps, r being what one more row adds to 
 work grows with the rows (about 0.45 of a one-row step on AVX2's int16 kernels, far less on AMX's bf16
 tiles); c what a checking pass costs beyond its rows (each row's sampling, the comparison, taking the drafts
 back): sampled open text at the `avx2` level, predicted 1.055x by the model without it (a = 0.54, r = 0.46),
-ran 0.98x (docs/benchmarks/speculation.md), so c = 0.08. The budget takes the d <= K that maximises tokens / cost, and no drafts where no d beats a plain
-step: on open text, where lookup rarely guesses right, a sequence stops drafting after a few misses.
+ran 0.98x (docs/benchmarks/speculation.md), so c = 0.08. The budget takes the d <= K that maximises tokens /
+cost, and no drafts where no d beats a plain step: on open text, where lookup rarely guesses right, a sequence
+stops drafting after a few misses.
 
 a is each sequence's own (DraftBudget): its accepted and rejected drafts, decayed so a stretch of copying or
 of new text shows within a few passes. A sequence taking no drafts still learns, for free: the proposal it
