@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from engine_probes import greedy_tokens
+from engine_probes import float32_engine
 from llama_cpp_files import LLAMA_CPP, run_converter, save_random_model
 from pagecli.config import SamplingParams
 from pagecli.engine import detokenizer
@@ -57,6 +57,7 @@ def _added(content: str, special: bool = True, rstrip: bool = False) -> dict:
 class Family:
     """How one family's checkpoints hold their SentencePiece tokenizer."""
 
+    arch: str  # the tiny model's (tiny_models.tiny_config)
     pieces: dict  # the SentencePiece trainer's settings: special pieces, whether a space is prepended
     tokenizer_config: dict  # tokenizer_config.json
     added: list[str] = field(default_factory=list)  # added tokens past the pieces
@@ -75,7 +76,10 @@ _GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'mod
 _PHI3_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 _LLAMA_ADDED = {str(i): _added(token) for i, token in enumerate(["<unk>", "<s>", "</s>"])}
-_GEMMA = Family(_GEMMA_PIECES, {
+_LLAMA_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
+                 "eos_token": "</s>", "unk_token": "<unk>", "legacy": False, "chat_template": _LLAMA_TEMPLATE,
+                 "added_tokens_decoder": _LLAMA_ADDED}
+_GEMMA = Family("gemma2", _GEMMA_PIECES, {
     "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>",
     "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": _GEMMA_TEMPLATE,
     "added_tokens_decoder": {str(i): _added(token) for i, token in enumerate(
@@ -84,13 +88,13 @@ _GEMMA = Family(_GEMMA_PIECES, {
 # Phi-3 mini's chat tokens, added past Llama 2's pieces; all but <|endoftext|> eat the whitespace after them
 _PHI3_ADDED = [("<|endoftext|>", False), ("<|assistant|>", True), ("<|end|>", True), ("<|user|>", True)]
 FAMILIES = {
-    "llama": Family(_LLAMA_PIECES, {
-        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
-        "eos_token": "</s>", "unk_token": "<unk>", "legacy": False, "chat_template": _LLAMA_TEMPLATE,
-        "added_tokens_decoder": _LLAMA_ADDED}),
+    "llama": Family("llama", _LLAMA_PIECES, _LLAMA_CONFIG),
+    # a llama whose tokenizer prepends no space (tokenizer_config's add_prefix_space; the file's add_space_prefix)
+    "llama-no-space-prefix": Family("llama", {**_LLAMA_PIECES, "add_dummy_prefix": False},
+                                    {**_LLAMA_CONFIG, "add_prefix_space": False}, space_by_normalizer=False),
     "gemma2": _GEMMA,
-    "gemma3": _GEMMA,
-    "phi3": Family(_LLAMA_PIECES, {
+    "gemma3": replace(_GEMMA, arch="gemma3"),
+    "phi3": Family("phi3", _LLAMA_PIECES, {
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "bos_token": "<s>",
         "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>", "legacy": False,
         "chat_template": _PHI3_TEMPLATE,
@@ -112,12 +116,11 @@ def trained_pieces(trainer_settings: dict) -> bytes:
     return model.getvalue()
 
 
-def write_tokenizer_files(folder: Path, arch: str) -> None:
-    """tokenizer.model, tokenizer.json and tokenizer_config.json in `folder`, as `arch`'s checkpoints have them."""
+def write_tokenizer_files(folder: Path, family: Family) -> None:
+    """tokenizer.model, tokenizer.json and tokenizer_config.json in `folder`, as `family`'s checkpoints have them."""
     from tokenizers import normalizers
     from transformers import AutoTokenizer
 
-    family = FAMILIES[arch]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.model").write_bytes(trained_pieces(family.pieces))
     (folder / "tokenizer_config.json").write_text(json.dumps(family.tokenizer_config))
@@ -134,32 +137,33 @@ def write_tokenizer_files(folder: Path, arch: str) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """arch -> (model folder, its F32 GGUF file), each made on first use."""
+    """FAMILIES' name -> (model folder, its F32 GGUF file), each made on first use."""
     made: dict[str, tuple[Path, Path]] = {}
 
-    def make(arch: str) -> tuple[Path, Path]:
-        if arch not in made:
+    def make(name: str) -> tuple[Path, Path]:
+        if name not in made:
             from transformers import AutoTokenizer
 
-            root = tmp_path_factory.mktemp(f"spm-{arch}")
-            folder = root / arch
-            write_tokenizer_files(folder, arch)
+            family = FAMILIES[name]
+            root = tmp_path_factory.mktemp(f"spm-{name}")
+            folder = root / family.arch
+            write_tokenizer_files(folder, family)
             reference = AutoTokenizer.from_pretrained(folder)
-            save_random_model(folder, arch, vocab_size=len(reference) + FAMILIES[arch].padded_rows,
+            save_random_model(folder, family.arch, vocab_size=len(reference) + family.padded_rows,
                               intermediate_size=64, bos_token_id=reference.bos_token_id,
                               eos_token_id=reference.eos_token_id, pad_token_id=reference.pad_token_id,
-                              **_MODEL_OVERRIDES.get(arch, {}))
-            made[arch] = folder, run_converter(folder, root / f"{arch}.f32.gguf", "f32")
-        return made[arch]
+                              **_MODEL_OVERRIDES.get(family.arch, {}))
+            made[name] = folder, run_converter(folder, root / f"{family.arch}.f32.gguf", "f32")
+        return made[name]
 
     return make
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_the_files_tokenizer_gives_the_folders_ids_text_and_special_tokens(arch, converted):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_files_tokenizer_gives_the_folders_ids_text_and_special_tokens(family, converted):
     from transformers import AutoTokenizer
 
-    folder, path = converted(arch)
+    folder, path = converted(family)
     reference = AutoTokenizer.from_pretrained(folder)
     from_file = load_tokenizer(resolve_model(str(path)))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
@@ -179,11 +183,11 @@ def test_the_files_tokenizer_gives_the_folders_ids_text_and_special_tokens(arch,
         "input_ids"]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_the_files_pieces_split_text_as_the_sentencepiece_model_does(arch, converted):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_files_pieces_split_text_as_the_sentencepiece_model_does(family, converted):
     """The merges transformers rebuilds from the file's pieces and scores are the SentencePiece model's own: text
     that starts with no whitespace and holds no special token splits as sentencepiece splits it."""
-    folder, path = converted(arch)
+    folder, path = converted(family)
     pieces = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     from_file = load_tokenizer(resolve_model(str(path)))
     plain = [text for text in TEXTS if text.strip() and not text[0].isspace() and "<" not in text]
@@ -192,13 +196,21 @@ def test_the_files_pieces_split_text_as_the_sentencepiece_model_does(arch, conve
         assert from_file(text, add_special_tokens=False)["input_ids"] == pieces.encode(text), text
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_the_file_gives_the_folders_greedy_tokens(arch, converted, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_file_gives_the_folders_greedy_tokens_and_stop_tokens(family, converted, monkeypatch):
     # Text deltas by decoding windows: tokenizers' DecodeStream raises on some runs of byte pieces that are no
     # UTF-8 (a random model's output), from the folder as from the file; the tokens are what this test compares.
     monkeypatch.setattr(detokenizer, "_rust_tokenizer", lambda tokenizer: None)
-    folder, path = converted(arch)
+    folder, path = converted(family)
     prompts = ["Paged attention keeps the KV cache", " 日本語 😀\n12"]
-    tokens = greedy_tokens(str(path), prompts, GREEDY)
+    runs = {}
+    for model in (path, folder):
+        with float32_engine(str(model)) as running:
+            runs[model] = ([list(out.token_ids) for out in running.generate(prompts, GREEDY)],
+                           running.stop_token_ids)
+    tokens, stop_token_ids = runs[path]
     assert len({token for row in tokens for token in row}) > 3
-    assert tokens == greedy_tokens(str(folder), prompts, GREEDY)
+    assert runs[path] == runs[folder]
+    vocab = load_tokenizer(folder).get_vocab()
+    ends = {vocab[token] for token in ("<end_of_turn>", "<|end|>") if token in vocab}  # Gemma's, Phi-3's turn ends
+    assert ends | {vocab[FAMILIES[family].tokenizer_config["eos_token"]]} <= stop_token_ids
