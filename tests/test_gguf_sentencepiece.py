@@ -1,9 +1,9 @@
 """GGUF files whose vocabulary is SentencePiece's (tokenizer.ggml.model "llama": pieces with scores and types, no
-merges), as llama.cpp's own convert_hf_to_gguf.py writes them from tiny random llama, Gemma 2, Gemma 3 and Phi-3
-models whose tokenizer is a small byte-fallback SentencePiece model trained here. The tokenizer pagecli builds from
-the file gives the model folder's Hugging Face tokenizer's ids (leading spaces, newlines, bytes for what the pieces
-lack, digits, the special and user-defined tokens), its text back, its BOS/EOS/pad ids and chat template, and the
-folder's greedy tokens.
+merges), as llama.cpp's own convert_hf_to_gguf.py writes them from tiny random llama (one of them prepending no
+space), Gemma 2, Gemma 3 and Phi-3 models whose tokenizer is a small byte-fallback SentencePiece model trained here.
+The tokenizer pagecli builds from the file gives the model folder's Hugging Face tokenizer's ids (leading spaces,
+newlines, bytes for what the pieces lack, digits, the special tokens), its text back, its BOS/EOS/pad ids and chat
+template, the SentencePiece model's own split of plain text, and the folder's greedy tokens and stop tokens.
 
 Each folder's tokenizer files are shaped as its family's checkpoints ship them: tokenizer.model, a tokenizer.json
 whose normalizer prepends the space (Llama 2's, Mistral's, Phi-3's; transformers reads Phi-3's as it is, and
