@@ -113,3 +113,41 @@ def test_both_detokenizers_give_the_same_deltas_on_the_embedded_tokenizer(monkey
     monkeypatch.setattr(detokenizer, "_rust_tokenizer", lambda tokenizer: None)
     windows = IncrementalDetokenizer(tokenizer, prompt)
     assert [stream.add(i) for i in ids] == [windows.add(i) for i in ids]
+
+
+def test_bytes_that_are_not_utf8_do_not_stop_the_stream(monkeypatch):
+    """A byte-fallback vocabulary's lone bytes (<0xD0> <0xEC>) can make tokenizers' DecodeStream refuse a window
+    ("Invalid prefix encountered while decoding stream": a random model emitted them and generate stopped); the
+    detokenizer then goes on with the windows and gives what they give."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+
+    from pagecli.engine import detokenizer
+
+    vocab = {"<unk>": 0, "a": 1, ",": 2, ":": 3, "A": 4, "▁": 5, "▁a": 6}
+    vocab.update({f"<0x{byte:02X}>": 7 + byte for byte in range(256)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+    class ByteFallbackTokenizer:
+        def __init__(self):
+            self.backend = backend
+
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    rng = random.Random(0)
+    cases = [([44, 33, 43, 101, 113], [31, 197, 4, 50, 201, 148, 229, 250])]  # one that failed
+    cases += [([rng.randrange(len(vocab)) for _ in range(rng.randrange(6))],
+               [rng.randrange(len(vocab)) for _ in range(8)]) for _ in range(300)]
+    fell_back = 0
+    for context, generated in cases:
+        stream = detokenizer.IncrementalDetokenizer(ByteFallbackTokenizer(), context)
+        assert stream._stream is not None
+        deltas = [stream.add(token) for token in generated]  # raised before
+        fell_back += stream._stream is None
+        assert "".join(deltas) == stream.text
+        letters = [token for token in generated if token in (1, 2, 3, 4)]
+        assert stream.text.count("A") + stream.text.count("a") >= sum(1 for t in letters if t in (1, 4)) - 1
+    assert fell_back >= 2, "no case made the stream refuse a window: the test checks nothing"

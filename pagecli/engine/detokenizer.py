@@ -6,7 +6,11 @@ the decoding of a short window that ends at the new token and the same window wi
 it; a window that ends in an incomplete character (U+FFFD) waits for the next token.
 With a Rust `tokenizers` tokenizer behind the tokenizer (pagecli's own, or a fast one of
 transformers), its `DecodeStream` does exactly that in one call a token (measured 1.6 us a
-token against 10 for two Python-level decodes); otherwise the windows are decoded here.
+token against 10 for two Python-level decodes); otherwise the windows are decoded here. A
+DecodeStream refuses a window whose decoding no longer starts with what it already gave
+("Invalid prefix": bytes that are not UTF-8, as a byte-fallback vocabulary's <0xD0> <0xEC>,
+decode to U+FFFD one way alone and another with what follows); the sequence then goes on with
+the windows, from the last token whose text was given.
 """
 
 from __future__ import annotations
@@ -48,11 +52,17 @@ class IncrementalDetokenizer:
                 self._rust = None
 
     def add(self, token_id: int) -> str:
-        if self._stream is not None:
-            delta = self._stream.step(self._rust, token_id) or ""
-            self.text += delta
-            return delta
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._rust, token_id) or ""
+            except Exception:  # noqa: BLE001 - tokenizers raises a plain Exception ("Invalid prefix ...")
+                self._stream = None  # the windows from here (module docstring)
+            else:
+                if delta:  # every token so far is in the text given
+                    self.prefix_offset, self.read_offset = max(0, len(self.ids) - _CONTEXT_TOKENS), len(self.ids)
+                self.text += delta
+                return delta
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         window_text = self._decode(self.ids[self.prefix_offset :])
         if window_text.endswith("\ufffd") or len(window_text) <= len(prefix_text):
