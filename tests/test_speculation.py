@@ -184,15 +184,18 @@ def test_a_sequence_whose_drafts_keep_failing_stops_drafting(tiny_model_factory,
 
 
 def test_the_draft_count_maximises_expected_tokens_per_step_cost():
-    from pagecli.engine.draft_budget import DraftBudget, RowCost, best_length
+    from pagecli.engine.draft_budget import (MAX_PASS_COST, MAX_ROW_COST, MIN_ROW_COST, PASS_COST, DraftBudget,
+                                             RowCost, best_length)
 
     assert best_length(1.0, 0.45, 4) == 4  # copying for sure: every draft pays while a row costs < 1 step
     assert best_length(0.0, 0.02, 4) == 0
     assert best_length(0.3, 0.45, 4) == 0  # (1 + 0.3) / 1.45 < 1
-    assert best_length(0.6, 0.45, 4) == 1  # 1.6 / 1.45 beats 1.96 / 1.9
+    assert best_length(0.6, 0.45, 4, pass_cost=0.0) == 1  # 1.6 / 1.45 beats 1.96 / 1.9, and the hurdle
+    assert best_length(0.6, 0.45, 4) == 0  # 1.6 / 1.57: not 5% better than a plain step
     assert best_length(0.9, 0.05, 8) == 8
-    assert best_length(1.0, 0.9, 4) >= 1  # copying for sure drafts at the highest row cost the fit allows
+    assert best_length(1.0, MAX_ROW_COST, 1, MAX_PASS_COST) == 1  # copying for sure drafts at the costs' bounds
     assert best_length(0.54, 0.46, 4) == 0  # 1.54 / 1.46 would pay but for the pass's own cost (0.98x measured)
+    assert best_length(0.37, 0.24, 4, 0.12) == 0  # sampled open text on Zen 5: break-even, not taken
     budget = DraftBudget()
     for _ in range(6):
         budget.after_pass(0, 2)  # only the first rejection is an observation
@@ -206,8 +209,14 @@ def test_the_draft_count_maximises_expected_tokens_per_step_cost():
     for rows, seconds in ((1, 0.010), (3, 0.012), (5, 0.014), (1, 0.010)):
         cost.observe(rows, seconds)
     assert abs(cost.value - 0.1) < 1e-9  # 1 ms a row over a 10 ms one-row step
+    assert abs(cost.pass_cost) < 1e-9  # the passes' line meets the plain step at one row
     cost.observe(2, 0.5)  # a wild sample is held within the bounds
-    assert 0.02 <= cost.value <= 0.9
+    assert MIN_ROW_COST <= cost.value <= MAX_ROW_COST and 0 <= cost.pass_cost <= MAX_PASS_COST
+    jump = RowCost(0.45, measure=True)
+    assert jump.pass_cost == PASS_COST  # the prior until two counts of checking passes are timed
+    for rows, seconds in ((1, 0.010), (2, 0.0132), (4, 0.0152)):  # 2.2 ms more for a pass, then 1 ms a row
+        jump.observe(rows, seconds)
+    assert abs(jump.value - 0.1) < 1e-9 and abs(jump.pass_cost - 0.22) < 1e-9
     assert RowCost(0.05, measure=False).value == 0.05
 
 

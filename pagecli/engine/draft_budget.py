@@ -2,21 +2,23 @@
 
 A checking pass over d drafts yields 1 + a + a^2 + ... + a^d tokens on average when each draft is accepted
 with probability a once those before it were (a geometric model of prompt lookup: a copied stretch goes on
-or ends). It costs 1 + c + r * d plain steps, r being what one more row adds to a step: on a CPU the products'
-work grows with the rows (about 0.45 of a one-row step on AVX2's int16 kernels, far less on AMX's bf16
-tiles); c what a checking pass costs beyond its rows (each row's sampling, the comparison, taking the drafts
-back): sampled open text at the `avx2` level, predicted 1.055x by the model without it (a = 0.54, r = 0.46),
-ran 0.98x (docs/benchmarks/speculation.md), so c = 0.08. The budget takes the d <= K that maximises tokens /
-cost, and no drafts where no d beats a plain step: on open text, where lookup rarely guesses right, a sequence
-stops drafting after a few misses.
+or ends). It costs 1 + c + r * d plain steps: r what one more row adds to a step (on a CPU the products' work
+grows with the rows: about 0.45 of a one-row step on AVX2's int16 kernels, 0.2-0.25 on AVX-512's, far less on
+AMX's bf16 tiles), c what a checking pass costs beyond its rows (timed on AMD EPYC Zen 5: a one-row step 5.2 ms,
+two rows 7.1, then about 1.2 ms a row; c about 0.12). The budget takes the d <= K that maximises tokens / cost
+where that beats a plain step by HURDLE (5%), and no drafts otherwise: on open text, where lookup rarely
+guesses right, a sequence stops drafting after a few misses, and a pass the estimates put at break-even (sampled
+open text: a = 0.37, 1.01 predicted; 0.87-1.03x measured) is not taken, since a and r are estimates.
 
 a is each sequence's own (DraftBudget): its accepted and rejected drafts, decayed so a stretch of copying or
 of new text shows within a few passes. A sequence taking no drafts still learns, for free: the proposal it
 would have taken is compared with the token the step then gives (a shadow draft), so drafting resumes when
-the output starts copying again. r is the engine's (RowCost): fitted to the engine's own checking and plain
-steps on a CPU (time = fixed + per row), decayed likewise, from a prior, and held within [0.02, 0.9]: within
-that, a sequence copying for sure (a = 1) always drafts, so whether drafts are taken where they cannot fail
-never hangs on timing (and drafts never change the output).
+the output starts copying again. r and c are the engine's (RowCost): fitted to the engine's own timed steps of
+one decoding sequence on a CPU, from the forward to its tokens sampled (a sampled row's sampling counts), each row count's time decayed likewise: r
+the slope of a line through the checking passes' times, c that line at one row over a plain step's time; from
+priors until steps of two row counts are timed (and until two counts of checking passes are, for c), held within
+[0.02, 0.6] and [0, 0.3]: within those, a sequence copying for sure (a = 1) always drafts, so whether drafts are
+taken where they cannot fail never hangs on timing (and drafts never change the output).
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ DECAY = 0.8  # weight an estimate keeps at each new observation
 PRIOR_ACCEPTED, PRIOR_DRAFTS = 1.0, 2.0  # a new sequence's acceptance: one half, worth two drafts
 CPU_ROW_COST = 0.45  # r before a CPU engine has timed its own steps (AVX2's int16 products, measured)
 GPU_ROW_COST = 0.05  # r on a GPU: a decode step's few rows are memory-bound, not timed (no sync is added)
-MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.9
-PASS_COST = 0.08  # c: a checking pass's cost beyond its rows, as a share of a one-row step (module docstring)
+MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.6
+PASS_COST = 0.12  # c before a CPU engine has timed checking passes of two row counts (module docstring)
+MAX_PASS_COST = 0.3  # with MAX_ROW_COST: one draft copied for sure still clears HURDLE (2 / 1.9)
+HURDLE = 1.05  # drafts only where the estimates put a pass's tokens per cost this far above a plain step's
 
 
-def best_length(acceptance: float, row_cost: float, limit: int) -> int:
-    """The d in 0..limit maximising (1 + a + ... + a^d) / (1 + c + r d); 0 where none beats a plain step."""
-    best, best_value = 0, 1.0
+def best_length(acceptance: float, row_cost: float, limit: int, pass_cost: float = PASS_COST) -> int:
+    """The d in 0..limit maximising (1 + a + ... + a^d) / (1 + c + r d); 0 where none beats a plain step by
+    HURDLE."""
+    best, best_value = 0, HURDLE
     expected, term = 1.0, 1.0
     for d in range(1, limit + 1):
         term *= acceptance
         expected += term
-        value = expected / (1.0 + PASS_COST + row_cost * d)
+        value = expected / (1.0 + pass_cost + row_cost * d)
         if value > best_value * (1.0 + 1e-9):
             best, best_value = d, value
     return best
@@ -57,8 +62,8 @@ class DraftBudget:
     def acceptance(self) -> float:
         return self.accepted / self.drafts
 
-    def length(self, row_cost: float, limit: int) -> int:
-        return best_length(self.acceptance, row_cost, limit)
+    def length(self, row_cost: float, limit: int, pass_cost: float = PASS_COST) -> int:
+        return best_length(self.acceptance, row_cost, limit, pass_cost)
 
     def after_pass(self, accepted: int, drafted: int) -> None:
         """A pass checked `drafted` drafts and accepted the first `accepted`: those, and the first rejected
@@ -82,11 +87,12 @@ class DraftBudget:
 
 
 class RowCost:
-    """r: what a row adds to a decode step, as a share of a one-row step, fitted to timed single-sequence
-    steps (each row count's time decayed; a line through them: time = fixed + per_row * rows)."""
+    """r (value) and c (pass_cost): what a row adds to a decode step and what a checking pass adds beyond its rows,
+    as shares of a one-row step, fitted to timed single-sequence steps (module docstring)."""
 
-    def __init__(self, prior: float, measure: bool) -> None:
+    def __init__(self, prior: float, measure: bool, pass_prior: float = PASS_COST) -> None:
         self.prior = prior
+        self.pass_prior = pass_prior
         self.measure = measure
         self.times: dict[int, float] = {}  # rows -> decayed seconds of a step of that many rows
 
@@ -97,14 +103,31 @@ class RowCost:
 
     @property
     def value(self) -> float:
+        passes = {rows: t for rows, t in self.times.items() if rows > 1}
+        if 1 in self.times and len(passes) >= 2:  # the passes' own slope, over a plain step
+            per_row, _ = _line(passes)
+            return min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / self.times[1]))
         if len(self.times) < 2:
             return self.prior
-        n = len(self.times)
-        mean_rows = sum(self.times) / n
-        mean_time = sum(self.times.values()) / n
-        spread = sum((rows - mean_rows) ** 2 for rows in self.times)
-        per_row = sum((rows - mean_rows) * (t - mean_time) for rows, t in self.times.items()) / spread
-        one_row = mean_time + per_row * (1 - mean_rows)  # the line's time at one row
-        if one_row <= 0:
+        per_row, at_one = _line(self.times)
+        if at_one <= 0:
             return MAX_ROW_COST
-        return min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / one_row))
+        return min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / at_one))
+
+    @property
+    def pass_cost(self) -> float:
+        passes = {rows: t for rows, t in self.times.items() if rows > 1}
+        if 1 not in self.times or len(passes) < 2:
+            return self.pass_prior
+        _, at_one = _line(passes)
+        return min(MAX_PASS_COST, max(0.0, at_one / self.times[1] - 1.0))
+
+
+def _line(times: dict[int, float]) -> tuple[float, float]:
+    """The least-squares line through (rows, seconds) points: its slope, and its value at one row."""
+    n = len(times)
+    mean_rows = sum(times) / n
+    mean_time = sum(times.values()) / n
+    spread = sum((rows - mean_rows) ** 2 for rows in times)
+    per_row = sum((rows - mean_rows) * (t - mean_time) for rows, t in times.items()) / spread
+    return per_row, mean_time + per_row * (1 - mean_rows)

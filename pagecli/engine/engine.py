@@ -384,10 +384,9 @@ class Engine:
             plan.scheduled.sort(key=_adapter_order)
         self.runner.copy_blocks(self.kv.take_pending_copies())  # copy-on-write, before anything writes
         sampled = [item.seq for item in plan.scheduled if item.samples]
+        timed_rows = self.speculator.timed_rows(plan.scheduled) if self.speculator else None
         started = time.perf_counter()
         logits = self.runner.execute(plan.scheduled)
-        if self.speculator:
-            self.speculator.observe_step(plan.scheduled, time.perf_counter() - started)
         yielded: dict[int, list[int]] = {}
         if self.speculator and any(seq.num_draft for seq in sampled):
             sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)
@@ -415,6 +414,8 @@ class Engine:
             events.append(self._on_token(seq, token_id))
             if seq.grammar is not None and len(self.scheduler.running) == 1:
                 events.extend(self._forced_tokens(seq))
+        if timed_rows is not None and self.speculator is not None:
+            self.speculator.observe_step(timed_rows, time.perf_counter() - started)
         return events
 
     def _speculated_tokens(self, plan: SchedulerOutput, yielded: dict[int, list[int]]) -> list[RequestEvent]:

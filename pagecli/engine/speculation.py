@@ -95,7 +95,7 @@ class Speculator:
     def add_drafts(self, running: list[Sequence]) -> None:
         if len(running) > self.max_batch:
             return
-        row_cost = self.row_cost.value
+        row_cost, pass_cost = self.row_cost.value, self.row_cost.pass_cost
         for seq in running:
             if not speculates(seq):
                 continue
@@ -105,7 +105,7 @@ class Speculator:
             budget.settle_guess(seq.token_ids)
             room = min(self.num_tokens, seq.max_model_len - seq.num_tokens - 1,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1)
-            length = budget.length(row_cost, room) if room > 0 else 0
+            length = budget.length(row_cost, room, pass_cost) if room > 0 else 0
             drafts = index.propose(seq.token_ids, length or min(room, 1))
             if not length:
                 if drafts:  # not worth a row: a guess the next token will settle
@@ -115,12 +115,21 @@ class Speculator:
                 seq.token_ids.extend(drafts)
                 seq.num_draft = len(drafts)
 
-    def observe_step(self, scheduled: list, seconds: float) -> None:
-        """A step's forward time, for the row cost: steps of one decoding sequence (plain or checking)."""
+    @staticmethod
+    def timed_rows(scheduled: list) -> int | None:
+        """The rows of a step the row cost learns from (one decoding sequence, plain or checking; taken before
+        the step, as verify takes the drafts back), else None."""
         if len(scheduled) == 1:
             item = scheduled[0]
             if item.num_new_tokens == 1 + item.seq.num_draft and item.seq.num_tokens > item.seq.num_prompt_tokens:
-                self.row_cost.observe(item.num_new_tokens, seconds)
+                return item.num_new_tokens
+        return None
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step's time, from its forward to its tokens sampled and checked: every row of a checking pass is
+        sampled too (a sampled row's temperature and top-p over the whole vocabulary are not free beside a small
+        model's forward: sampled open text ran 0.87x when only the forward was timed), so the row cost counts it."""
+        self.row_cost.observe(rows, seconds)
 
     def settle(self, plan: SchedulerOutput, drafted: Iterable[Sequence]) -> SchedulerOutput:
         """The plan with every sequence whose drafts the scheduler did not take whole back to a plain
