@@ -74,39 +74,30 @@ def run_whole(args: list[str], env: dict[str, str], stdin: bytes | None = None) 
     return elapsed, rss
 
 
-def run_first_byte(args: list[str], env: dict[str, str], stdin: bytes) -> tuple[float, int]:
+def run_first_byte(args: list[str], env: dict[str, str], stdin: bytes,
+                   settle_s: float | None = None) -> tuple[float, int]:
+    """From the start to the reply's first byte on stdout; with settle_s, the client is left that long to come up
+    and wait for its first line, and the time counts from writing `stdin` (what it wrote before is not counted)."""
     start = time.perf_counter()
     process = subprocess.Popen([PYTHON, "-m", "pagecli", *args], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    if settle_s is not None:
+        time.sleep(settle_s)
+        assert process.poll() is None, f"pagecli {' '.join(args)} exited before the message"
+        os.set_blocking(process.stdout.fileno(), False)
+        while process.stdout.read(65536):  # what it wrote while coming up
+            pass
+        os.set_blocking(process.stdout.fileno(), True)
+        start = time.perf_counter()
     process.stdin.write(stdin)
-    process.stdin.close()
-    first = process.stdout.read(1)
-    elapsed = time.perf_counter() - start
-    assert first, f"pagecli {' '.join(args)} wrote nothing"
-    process.stdout.read()
-    rss = wait_rss(process)
-    return elapsed, rss
-
-
-def run_first_byte_after_message(args: list[str], env: dict[str, str], message: bytes,
-                                  settle_s: float = 3.0) -> tuple[float, int]:
-    """The client started and left settle_s to come up and wait for its first line; then the time from writing
-    the message to the reply's first byte on stdout (whatever it wrote before the message is not counted)."""
-    process = subprocess.Popen([PYTHON, "-m", "pagecli", *args], env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    time.sleep(settle_s)
-    assert process.poll() is None, f"pagecli {' '.join(args)} exited before the message"
-    os.set_blocking(process.stdout.fileno(), False)
-    while process.stdout.read(65536):  # what it wrote while coming up
-        pass
-    os.set_blocking(process.stdout.fileno(), True)
-    start = time.perf_counter()
-    process.stdin.write(message)
     process.stdin.flush()
+    if settle_s is None:
+        process.stdin.close()
     first = process.stdout.read(1)
     elapsed = time.perf_counter() - start
     assert first, f"pagecli {' '.join(args)} wrote nothing"
-    process.stdin.close()
+    if not process.stdin.closed:
+        process.stdin.close()
     process.stdout.read()
     return elapsed, wait_rss(process)
 
@@ -240,7 +231,7 @@ def main() -> None:
                             runs[tree].append(timed(generate, env, *extra))
                         elif args == "after":
                             chat = ["chat", "-n", "16", "-t", "0", "--server", url]
-                            runs[tree].append(timed(lambda e, *x: run_first_byte_after_message(chat, e, b"Hi\n"), env))
+                            runs[tree].append(timed(lambda e, *x: run_first_byte(chat, e, b"Hi\n", settle_s=3.0), env))
                         else:
                             runs[tree].append(timed(lambda e, *x: run_first_byte([*args, *x], e, b"Hi\n"), env, *extra))
                 results[name] = {tree: summary(values[1:]) for tree, values in runs.items()}
