@@ -351,3 +351,22 @@ def test_a_server_that_cannot_start_is_one_sentence_naming_its_output(tmp_path, 
     err = capsys.readouterr().err
     assert "The keep-alive server stopped before it was ready" in err and "started.log" in err, err
     assert "Traceback" not in err and registry.recorded() == []
+
+
+def test_a_started_server_that_does_not_match_the_command_is_stopped_and_said(tiny_llama, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Were a setting lost on the way to the server (here: one added), the command would wait for a match forever;
+    it stops the server and says so instead."""
+    from pagecli.cli import options as o
+
+    as_args = o.RunFlags.as_args
+    monkeypatch.setattr(o.RunFlags, "as_args", lambda self, model: [*as_args(self, model), "--kv-dtype", "int8"])
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    assert main(["generate", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(tiny_llama),
+                 "--keep-alive", "1m", *CLI_FLAGS]) != 0
+    assert "does not run this command's settings" in capsys.readouterr().err
+    deadline = time.monotonic() + 60
+    while registry.recorded() and time.monotonic() < deadline:  # it unregisters as it stops
+        time.sleep(0.1)
+    assert registry.recorded() == []

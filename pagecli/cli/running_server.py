@@ -28,6 +28,7 @@ from pagecli.ui.progress import say
 STARTED_LOG = "started.log"  # the output of the servers --keep-alive started, in servers_dir()
 _LOG_LIMIT = 1 << 20  # emptied before a start once past this
 _POLL_S = 0.1
+_MISMATCH_POLLS = 30  # polls a registered server may fail to match (a busy one may miss a /health) before it goes
 
 
 def running_server_for(settings: RunSettings, api_key: str | None) -> registry.ServerEntry | None:
@@ -84,11 +85,18 @@ def start_keep_alive_server(settings: RunSettings, server_args: list[str], keep_
             env["PAGECLI_API_KEY"] = api_key  # the server wants the key this command holds
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True, env=env)
+    mismatches = 0
     try:
         while True:
+            listed = any(listed.pid == process.pid for _, listed in registry.recorded())
             entry = running_server_for(settings, api_key)
             if entry is not None and entry.pid == process.pid:
                 return entry
+            mismatches = mismatches + 1 if listed else 0  # up, but not found for these settings (or too busy)
+            if mismatches >= _MISMATCH_POLLS:
+                raise PagecliError("The keep-alive server started does not run this command's settings (some "
+                                   "setting did not pass to it); stopped it. Run without --keep-alive, or start "
+                                   "`pagecli serve --keep-alive` with the settings you want.")
             if process.poll() is not None:
                 raise PagecliError(f"The keep-alive server stopped before it was ready (exit code "
                                    f"{process.returncode}): {_last_line(log_path)} (its output: {log_path}).")
