@@ -330,7 +330,7 @@ def test_generate_with_keep_alive_starts_a_server_once_and_the_next_run_uses_it(
         assert main([*args, "-o", str(tmp_path / "second.jsonl")]) == 0
         err = capsys.readouterr().err
         assert "Starting" not in err and f"{USING} {entry.url}" in err, err
-        assert [pid for _, pid in [(e.url, e.pid) for _, e in registry.recorded()]] == [entry.pid]
+        assert [running.pid for _, running in registry.recorded()] == [entry.pid]
         assert main([*args[:-len(CLI_FLAGS) - 2], *CLI_FLAGS, "-o", str(tmp_path / "local.jsonl"), "--local"]) == 0
     finally:
         for _, running in registry.recorded():

@@ -80,11 +80,9 @@ def chat(
     o.refuse_keep_alive_with(keep_alive, server, local)
     found = None
     if server is None and not local:
-        from pagecli.cli.running_server import running_server_for, start_keep_alive_server
+        from pagecli.cli.running_server import running_or_started
 
-        found = running_server_for(settings, api_key)
-        if found is None and keep_alive is not None:
-            found = start_keep_alive_server(settings, flags.as_args(settings.model), keep_alive, api_key)
+        found = running_or_started(settings, flags.as_args(settings.model), keep_alive, api_key)
     if server is None and found is None and api_key is not None:
         raise PagecliError("--api-key is the key of a server: pass it with --server URL.")
     code = run_chat(settings, system=system, session=session, resume=resume, input_path=input, jsonl=jsonl,

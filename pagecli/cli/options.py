@@ -45,9 +45,13 @@ class Flag:
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=self.value,
                                  annotation=Annotated[self.kind, self.option])
 
+    def given(self, value: Any) -> bool:
+        """Whether the user passed this flag (a value other than the one it holds unset)."""
+        return value is not None and value != self.value
+
     def setting(self, value: Any) -> Any:
         """The field's value for what the user passed; None leaves it to the profile."""
-        if value is None or value == self.value:
+        if not self.given(value):
             return None
         return self.when_given(value) if self.when_given else value
 
@@ -285,7 +289,7 @@ class RunFlags:
         args = [*(["--model", model] if model else []), *(["--profile", self.profile] if self.profile else [])]
         for flag in (*ENGINE_FLAGS, *SAMPLING_FLAGS):
             value = self.values.get(flag.name, flag.value)
-            if value is None or value == flag.value:
+            if not flag.given(value):
                 continue
             # typer keeps an Annotated option's first declaration as its `default`
             name = next(d for d in (flag.option.default, *flag.option.param_decls) if str(d).startswith("--"))

@@ -57,6 +57,15 @@ def fall_back(entry: registry.ServerEntry, error: Exception) -> None:
     say(f"the pagecli serve at {entry.url} stopped answering ({error}); running in this process", style="dim")
 
 
+def running_or_started(settings: RunSettings, server_args: list[str], keep_alive: str | None,
+                       api_key: str | None) -> registry.ServerEntry | None:
+    """The live keep-alive server for `settings`; else, with --keep-alive, one started for it; else None."""
+    found = running_server_for(settings, api_key)
+    if found is None and keep_alive is not None:
+        found = start_keep_alive_server(settings, server_args, keep_alive, api_key)
+    return found
+
+
 def start_keep_alive_server(settings: RunSettings, server_args: list[str], keep_alive: str,
                             api_key: str | None) -> registry.ServerEntry | None:
     """Start `pagecli serve --keep-alive KEEP_ALIVE` with server_args (this command's model, profile and flags:
@@ -88,11 +97,12 @@ def start_keep_alive_server(settings: RunSettings, server_args: list[str], keep_
     mismatches = 0
     try:
         while True:
-            listed = any(listed.pid == process.pid for _, listed in registry.recorded())
             entry = running_server_for(settings, api_key)
             if entry is not None and entry.pid == process.pid:
                 return entry
-            mismatches = mismatches + 1 if listed else 0  # up, but not found for these settings (or too busy)
+            # up, but not found for these settings (or too busy to answer); registered just now: matched next poll
+            listed = any(listed.pid == process.pid for _, listed in registry.recorded())
+            mismatches = mismatches + 1 if listed else 0
             if mismatches >= _MISMATCH_POLLS:
                 raise PagecliError("The keep-alive server started does not run this command's settings (some "
                                    "setting did not pass to it); stopped it. Run without --keep-alive, or start "

@@ -14,9 +14,10 @@ a is each sequence's own (DraftBudget): its accepted and rejected drafts, decaye
 of new text shows within a few passes. A sequence taking no drafts still learns, for free: the proposal it
 would have taken is compared with the token the step then gives (a shadow draft), so drafting resumes when
 the output starts copying again. r and c are the engine's (RowCost): fitted to the engine's own timed steps of
-one decoding sequence on a CPU, from the forward to its tokens sampled (a sampled row's sampling counts), each row count's time decayed likewise: r
-the slope of a line through the checking passes' times, c that line at one row over a plain step's time; from
-priors until steps of two row counts are timed (and until two counts of checking passes are, for c), held within
+one decoding sequence on a CPU, from the forward to its tokens sampled (a sampled row's sampling counts), each
+row count's time decayed likewise: r the slope of a line through the checking passes' times, c that line at one
+row over a plain step's time; from priors until steps of two row counts are timed (and until two counts of
+checking passes are, for c), held within
 [0.02, 0.6] and [0, 0.3]: within those, a sequence copying for sure (a = 1) always drafts, so whether drafts are
 taken where they cannot fail never hangs on timing (and drafts never change the output).
 """
@@ -90,9 +91,8 @@ class RowCost:
     """r (value) and c (pass_cost): what a row adds to a decode step and what a checking pass adds beyond its rows,
     as shares of a one-row step, fitted to timed single-sequence steps (module docstring)."""
 
-    def __init__(self, prior: float, measure: bool, pass_prior: float = PASS_COST) -> None:
+    def __init__(self, prior: float, measure: bool) -> None:
         self.prior = prior
-        self.pass_prior = pass_prior
         self.measure = measure
         self.times: dict[int, float] = {}  # rows -> decayed seconds of a step of that many rows
 
@@ -101,26 +101,26 @@ class RowCost:
             old = self.times.get(rows)
             self.times[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
+    def costs(self) -> tuple[float, float]:
+        """(r, c) from the steps timed so far (module docstring), each within its bounds."""
+        passes = {rows: t for rows, t in self.times.items() if rows > 1}
+        if 1 in self.times and len(passes) >= 2:  # the passes' own line, over a plain step
+            per_row, at_one = _line(passes)
+            one_row = self.times[1]
+            return (min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / one_row)),
+                    min(MAX_PASS_COST, max(0.0, at_one / one_row - 1.0)))
+        if len(self.times) < 2:
+            return self.prior, PASS_COST
+        per_row, at_one = _line(self.times)
+        return (MAX_ROW_COST if at_one <= 0 else min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / at_one))), PASS_COST
+
     @property
     def value(self) -> float:
-        passes = {rows: t for rows, t in self.times.items() if rows > 1}
-        if 1 in self.times and len(passes) >= 2:  # the passes' own slope, over a plain step
-            per_row, _ = _line(passes)
-            return min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / self.times[1]))
-        if len(self.times) < 2:
-            return self.prior
-        per_row, at_one = _line(self.times)
-        if at_one <= 0:
-            return MAX_ROW_COST
-        return min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / at_one))
+        return self.costs()[0]
 
     @property
     def pass_cost(self) -> float:
-        passes = {rows: t for rows, t in self.times.items() if rows > 1}
-        if 1 not in self.times or len(passes) < 2:
-            return self.pass_prior
-        _, at_one = _line(passes)
-        return min(MAX_PASS_COST, max(0.0, at_one / self.times[1] - 1.0))
+        return self.costs()[1]
 
 
 def _line(times: dict[int, float]) -> tuple[float, float]:

@@ -95,7 +95,7 @@ class Speculator:
     def add_drafts(self, running: list[Sequence]) -> None:
         if len(running) > self.max_batch:
             return
-        row_cost, pass_cost = self.row_cost.value, self.row_cost.pass_cost
+        row_cost, pass_cost = self.row_cost.costs()
         for seq in running:
             if not speculates(seq):
                 continue
