@@ -36,6 +36,8 @@ FLAG_CASES = {
     "kv_dtype": (["--kv-dtype", "int8"], "int8"),
     "speculate": (["--speculate", "ngram"], "ngram"),
     "num_speculative_tokens": (["--num-speculative-tokens", "6"], 6),
+    "draft_model": (["--speculate", "draft", "--draft-model", "some/draft"], "some/draft"),  # one needs the other
+    "draft_quantize": (["--draft-quantize", "int4"], "int4"),
     "lora": (["--lora", "sql=/adapters/sql", "--lora", "poet=/adapters/poet"],
              (("sql", "/adapters/sql"), ("poet", "/adapters/poet"))),
     "merge_lora": (["--merge-lora", "--lora", "sql=/adapters/sql"], True),  # merges exactly one adapter

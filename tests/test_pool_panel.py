@@ -127,5 +127,5 @@ def test_a_grouped_cell_shows_the_most_significant_state_it_holds():
 def test_speculation_shows_once_drafts_were_checked(tiny_llama):
     snapshot = make_engine(tiny_llama).stats()
     assert "speculation" not in render(pool_panel(snapshot))  # off, or nothing checked yet
-    stats = replace(snapshot, spec_drafts=200, spec_accepted=130, spec_passes=60, spec_tokens=190)
-    assert "speculation: 65% of 200 drafts accepted · 3.17 tokens a checking pass" in render(pool_panel(stats))
+    stats = replace(snapshot, spec_method="draft", spec_drafts=200, spec_accepted=130, spec_passes=60, spec_tokens=190)
+    assert "speculation (draft): 65% of 200 drafts accepted · 3.17 tokens a checking pass" in render(pool_panel(stats))

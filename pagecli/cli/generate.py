@@ -197,7 +197,8 @@ def _speculation(stats: Any) -> str:
     """How speculative decoding went (--speculate); nothing when no drafts were checked."""
     if not stats.spec_passes:
         return ""
-    return (f"; speculation accepted {stats.spec_acceptance:.0%} of {stats.spec_drafts} drafts, "
+    method = f" ({stats.spec_method})" if stats.spec_method else ""
+    return (f"; speculation{method} accepted {stats.spec_acceptance:.0%} of {stats.spec_drafts} drafts, "
             f"{stats.spec_tokens / stats.spec_passes:.2f} tokens per checking pass")
 
 

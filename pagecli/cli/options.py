@@ -102,8 +102,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                             "that followed the latest earlier occurrence of the output's last few tokens and "
                             "checks them in one pass: the tokens plain decoding gives (greedy, or sampled with the "
                             "same seed), several a step where the output repeats its input (editing, quoting); "
-                            "one sequence at a time. auto (default): ngram on a CPU with pagecli's kernels, off "
-                            "on a GPU.",
+                            "one sequence at a time. draft: a draft model's greedy tokens (--draft-model), checked "
+                            "the same way. auto (default): ngram on a CPU with pagecli's kernels, off on a GPU.",
+        metavar="KIND")),
+    Flag("draft_model", "draft_model", Optional[str], _opt(
+        "--draft-model", help="With --speculate draft: the model that proposes tokens (a folder, a GGUF file or a "
+                              "name, as --model; it must have the main model's tokenizer). Its KV cache comes out "
+                              "of the same --kv-budget-gib.", metavar="PATH")),
+    Flag("draft_quantize", "draft_quantize", Optional[str], _opt(
+        "--draft-quantize", help="--quantize for the draft model (default auto: its own default).",
         metavar="KIND")),
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
         "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),

@@ -19,7 +19,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4", "gguf")
 # How K/V lie in the pool (pagecli/kv_format.py): the model's dtype, a float dtype, or 8 bits + a scale per row
 KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8")
-SPECULATE_CHOICES = ("auto", "off", "ngram")
+SPECULATE_CHOICES = ("auto", "off", "ngram", "draft")
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 DEFAULT_CONTEXT_CAP = 8192  # max_model_len when not set: the model's context, capped here
 # The CPU pool's default size for a cache of bfloat16 or float16 values: 34,000 tokens of SmolLM2-135M, which
@@ -88,9 +88,12 @@ class EngineConfig:
     disk_cache_all_prompts: bool = False  # also store unshared prompt blocks (generate --cache-prefix)
     quantize: str = "auto"  # decoder-layer weights at load: auto | none | int8 | int4 | gguf (CPU only)
     kv_dtype: str = "auto"  # the KV cache's format: auto (the model's dtype) | bfloat16 | float16 | float32 | int8 | fp8
-    # Speculative decoding (engine/speculation.py): auto | off | ngram (prompt lookup); greedy and sampled
-    # requests. auto: ngram where a checking step runs in the CPU's one-call decode step, off elsewhere.
+    # Speculative decoding (engine/speculation.py): auto | off | ngram (prompt lookup) | draft (a draft model's
+    # greedy tokens, engine/draft_model.py); greedy and sampled requests. auto: ngram where a checking step runs in
+    # the CPU's one-call decode step, off elsewhere; draft only when asked.
     speculate: str = "auto"
+    draft_model: str | None = None  # speculate="draft"'s model: a folder, a GGUF file or a name, as the main model
+    draft_quantize: str = "auto"  # the draft model's --quantize (its own default unless told)
     num_speculative_tokens: int = 4  # drafts checked per step and sequence
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
     # Drafts only while at most this many sequences run: a draft's row costs about what a sequence's row
@@ -112,6 +115,11 @@ class EngineConfig:
         _require_finite_numbers(self)
         _require(self.speculate in SPECULATE_CHOICES,
                  f"speculate must be one of {', '.join(SPECULATE_CHOICES)} (got '{self.speculate}').")
+        _require((self.speculate == "draft") == (self.draft_model is not None),
+                 "--speculate draft needs --draft-model PATH (a model with the main model's tokenizer), and "
+                 "--draft-model is only read with --speculate draft: give both or neither.")
+        _require(self.draft_quantize in QUANTIZE_CHOICES,
+                 f"draft_quantize must be one of {', '.join(QUANTIZE_CHOICES)} (got '{self.draft_quantize}').")
         _require(1 <= self.num_speculative_tokens <= 32,
                  f"num_speculative_tokens must be between 1 and 32 (got {self.num_speculative_tokens}).")
         _require(self.speculate_max_batch >= 1,

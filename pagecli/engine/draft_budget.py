@@ -32,6 +32,17 @@ MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.6
 PASS_COST = 0.12  # c before a CPU engine has timed checking passes of two row counts (module docstring)
 MAX_PASS_COST = 0.3  # with MAX_ROW_COST: one draft copied for sure still clears HURDLE (2 / 1.9)
 HURDLE = 1.05  # drafts only where the estimates put a pass's tokens per cost this far above a plain step's
+# A draft model (engine/draft_model.py) adds its own steps to a pass: one per draft, as a share of a plain main
+# step, added to r. Before both are timed the share is taken as one half (a draft model is there to be cheaper).
+DRAFT_SHARE_PRIOR = 0.5
+# A sequence that takes no drafts from a draft model learns by a real pass of PROBE_DRAFTS drafts (a shadow
+# guess would cost a draft step each plain step): the first after FIRST_PROBE_AFTER plain steps (so a plain step
+# is timed first), then every PROBE_EVERY, the interval doubling after each probe up to MAX_PROBE_EVERY (a probe
+# also brings the draft's mirror up to date: a chunk of the steps since the last one) and back to PROBE_EVERY
+# once the budget drafts again.
+PROBE_DRAFTS = 2
+FIRST_PROBE_AFTER = 2
+PROBE_EVERY, MAX_PROBE_EVERY = 8, 64
 
 
 def best_length(acceptance: float, row_cost: float, limit: int, pass_cost: float = PASS_COST) -> int:
@@ -87,6 +98,36 @@ class DraftBudget:
             self.drafts = DECAY * self.drafts + drafts
 
 
+def draft_step_share(seconds_per_draft: float | None, plain_step_s: float | None) -> float:
+    """What a draft model's step adds to a checking pass per draft, as a share of a plain main step (r grows by
+    it): the two timed figures' ratio, DRAFT_SHARE_PRIOR until both are known."""
+    if seconds_per_draft is None or not plain_step_s:
+        return DRAFT_SHARE_PRIOR
+    return seconds_per_draft / plain_step_s
+
+
+class ProbeClock:
+    """When a sequence that takes no drafts from a draft model tries a real pass (module constants)."""
+
+    __slots__ = ("interval", "plain_steps")
+
+    def __init__(self) -> None:
+        self.interval = PROBE_EVERY
+        self.plain_steps = PROBE_EVERY - FIRST_PROBE_AFTER
+
+    def drafting(self) -> None:
+        """The budget took drafts: probes, when they are needed again, start at the short interval."""
+        self.interval, self.plain_steps = PROBE_EVERY, 0
+
+    def probe_due(self) -> bool:
+        """Count a step without drafts; True (and the interval doubled) when it should probe instead."""
+        self.plain_steps += 1
+        if self.plain_steps <= self.interval:
+            return False
+        self.plain_steps, self.interval = 0, min(2 * self.interval, MAX_PROBE_EVERY)
+        return True
+
+
 class RowCost:
     """r (value) and c (pass_cost): what a row adds to a decode step and what a checking pass adds beyond its rows,
     as shares of a one-row step, fitted to timed single-sequence steps (module docstring)."""
@@ -113,6 +154,11 @@ class RowCost:
             return self.prior, PASS_COST
         per_row, at_one = _line(self.times)
         return (MAX_ROW_COST if at_one <= 0 else min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / at_one))), PASS_COST
+
+    @property
+    def plain_step_s(self) -> float | None:
+        """The decayed time of a plain one-row step, None until one is timed."""
+        return self.times.get(1)
 
     @property
     def value(self) -> float:

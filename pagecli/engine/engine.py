@@ -30,6 +30,7 @@ from pagecli.engine.adapters import AdapterRegistry, adapter_fingerprint
 from pagecli.engine.beam_groups import BeamGroups, FinishedBeam
 from pagecli.engine.block_pool import BlockPool
 from pagecli.engine.detokenizer import IncrementalDetokenizer
+from pagecli.engine.draft_model import DraftModel, draft_config
 from pagecli.engine.hashing import root_hash
 from pagecli.engine.heap import keep_freed_activations, return_freed_load_memory
 from pagecli.engine.kv_cache_manager import KVCacheManager
@@ -145,6 +146,8 @@ class Engine:
         self.kv_format = resolve_kv_format(self.config.kv_dtype, loaded.dtype, spec.head_dim)
         kv_bytes_per_token = self.kv_format.bytes_per_token(spec.num_layers, spec.num_kv_heads)
         self.kv_bytes_per_block = kv_bytes_per_token * self.config.block_size
+        # --speculate draft's model, loaded before the pool is sized: its pool comes out of the same budget.
+        self.drafter = self._load_draft_model(progress) if self.config.speculate == "draft" else None
         num_blocks = self._num_blocks()
         self.max_model_len = min(self._model_context_len(), num_blocks * self.config.block_size)
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
@@ -162,6 +165,8 @@ class Engine:
                                         triton=self.backend.name == "triton")
         self.pool = BlockPool(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.runner = self._allocate_runner(num_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.config.block_size)
         if loaded.device.type == "cpu":
             return_freed_load_memory()  # what loading freed, before the heap starts keeping activations
             keep_freed_activations()  # weights and KV pool in place: activations' memory stays for the next step
@@ -172,8 +177,8 @@ class Engine:
         self.stop_token_ids = self._stop_token_ids()
         self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
         self.speculate = resolve_method(self.config, loaded.model, self.backend)  # --speculate, auto resolved
-        self.speculator = (Speculator(self.config, self.kv, on_cpu=self.loaded.device.type == "cpu")
-                           if self.speculate != "off" else None)
+        self.speculator = (Speculator(self.config, self.kv, on_cpu=self.loaded.device.type == "cpu",
+                                      drafter=self.drafter) if self.speculate != "off" else None)
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state
         self._ids = itertools.count()
         self._steps = 0
@@ -236,9 +241,20 @@ class Engine:
         return self._context_len(self.loaded.spec)
 
     def _num_blocks(self) -> int:
-        """The pool's size, checked against the memory free for it now that the weights are loaded."""
-        return pool_num_blocks(self.config, self.loaded.device, self.kv_bytes_per_block,
+        """The pool's size, checked against the memory free for it now that the weights are loaded. With a draft
+        model, a block counts its bytes in both pools (the draft's has as many blocks): the budget is the total."""
+        draft_bytes = self.drafter.kv_bytes_per_block if self.drafter is not None else 0
+        return pool_num_blocks(self.config, self.loaded.device, self.kv_bytes_per_block + draft_bytes,
                                self.kv_format.storage_dtype.itemsize)
+
+    def _load_draft_model(self, progress: Callable[[str], None] | None) -> DraftModel:
+        """--draft-model loaded by an engine of its own (engine/draft_model.py); PagecliError for another
+        tokenizer than this model's."""
+        draft = Engine(self.config.draft_model, draft_config(self.config), progress=progress)
+        self._warnings.extend(draft.take_warnings())
+        drafter = DraftModel(draft, self.loaded.spec.vocab_size)
+        drafter.check_tokenizer(self.tokenizer, self.model_name)
+        return drafter
 
     def _allocate_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner and its KV pool tensor; memory taken by others since the check is one sentence."""
@@ -364,6 +380,8 @@ class Engine:
         if self.scheduler.abort(request_id):
             self._requests.pop(request_id, None)
             self.beams.drop(request_id)
+            if self.drafter is not None:
+                self.drafter.forget_gone()
 
     @property
     def has_unfinished(self) -> bool:
@@ -416,6 +434,8 @@ class Engine:
                 events.extend(self._forced_tokens(seq))
         if timed_rows is not None and self.speculator is not None:
             self.speculator.observe_step(timed_rows, time.perf_counter() - started)
+        if self.drafter is not None:  # finished and preempted sequences' mirrors give their draft blocks back
+            self.drafter.forget_gone()
         return events
 
     def _speculated_tokens(self, plan: SchedulerOutput, yielded: dict[int, list[int]]) -> list[RequestEvent]:
@@ -639,7 +659,7 @@ class Engine:
             adapter_blocks=tuple(sorted(self.kv.blocks_by_adapter().items())),
             adapter_sizes=tuple((a.name, a.nbytes) for a in self.adapters.summaries()),
             merged_lora="" if self.merged_lora is None else self.merged_lora.name,
-            **(self.speculator.counts() if self.speculator else {}),
+            spec_method=self.speculate, **(self.speculator.counts() if self.speculator else {}),
         )
 
 

@@ -24,7 +24,9 @@ each step, the number of drafts whose expected tokens per unit of step cost is h
 acceptance so far and the engine's measured cost of a row (engine/draft_budget.py): none where no number
 beats a plain step, as on open text where lookup rarely guesses right; a free shadow guess each plain step
 lets it resume when the output starts copying. Proposals come from each sequence's n-gram index
-(ngram_proposer.NgramIndex), a few lookups a step. And no sequence takes drafts while more than
+(ngram_proposer.NgramIndex), a few lookups a step, or with --speculate draft from a draft model's greedy tokens
+(engine/draft_model.py): there a draft also costs a draft-model step (timed, added to r), and a sequence that
+takes none probes with a real pass now and then instead of shadow guesses. And no sequence takes drafts while more than
 `speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts cost more than the steps
 they save (at 4 sequences 0.93x on the editing set, AVX2).
 """
@@ -40,7 +42,9 @@ import torch
 from pagecli.attention.cpu_backend import SHORT_CHUNK_TOKENS
 from pagecli.config.settings import EngineConfig
 from pagecli.engine.kv_cache_manager import KVCacheManager
-from pagecli.engine.draft_budget import CPU_ROW_COST, GPU_ROW_COST, DraftBudget, RowCost
+from pagecli.engine.draft_budget import (CPU_ROW_COST, GPU_ROW_COST, PROBE_DRAFTS, DraftBudget, ProbeClock, RowCost,
+                                         draft_step_share)
+from pagecli.engine.draft_model import DraftModel
 from pagecli.engine.ngram_proposer import NgramIndex
 from pagecli.engine.sampler import sample
 from pagecli.engine.scheduler import SchedulerOutput
@@ -74,7 +78,9 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, on_cpu: bool = True) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, on_cpu: bool = True,
+                 drafter: DraftModel | None = None) -> None:
+        self.drafter = drafter  # --speculate draft's model; None: prompt lookup
         self.num_tokens = config.num_speculative_tokens
         self.max_ngram = config.speculate_max_ngram
         self.max_batch = config.speculate_max_batch
@@ -96,15 +102,21 @@ class Speculator:
         if len(running) > self.max_batch:
             return
         row_cost, pass_cost = self.row_cost.costs()
+        if self.drafter is not None:  # each draft also costs a draft-model step
+            row_cost += draft_step_share(self.drafter.seconds_per_draft, self.row_cost.plain_step_s)
         for seq in running:
             if not speculates(seq):
                 continue
             if seq.spec is None:
-                seq.spec = (DraftBudget(), NgramIndex(self.max_ngram))
-            budget, index = seq.spec
-            budget.settle_guess(seq.token_ids)
+                seq.spec = (DraftBudget(), NgramIndex(self.max_ngram) if self.drafter is None else ProbeClock())
+            budget, source = seq.spec
             room = min(self.num_tokens, seq.max_model_len - seq.num_tokens - 1,
                        seq.sampling.max_tokens - seq.num_output_tokens - 1)
+            if self.drafter is not None:
+                self._add_model_drafts(seq, budget, source, room, row_cost, pass_cost)
+                continue
+            index = source
+            budget.settle_guess(seq.token_ids)
             length = budget.length(row_cost, room, pass_cost) if room > 0 else 0
             drafts = index.propose(seq.token_ids, length or min(room, 1))
             if not length:
@@ -114,6 +126,24 @@ class Speculator:
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft = len(drafts)
+
+    def _add_model_drafts(self, seq: Sequence, budget: DraftBudget, clock: ProbeClock, room: int, row_cost: float,
+                          pass_cost: float) -> None:
+        """The draft model's tokens for seq: as many as the budget takes (the draft's steps counted in row_cost),
+        or a probe's PROBE_DRAFTS when one is due (engine/draft_budget.py: no free shadow guesses here)."""
+        if room <= 0:
+            return
+        length = budget.length(row_cost, room, pass_cost)
+        if length:
+            clock.drafting()
+        elif clock.probe_due():
+            length = min(room, PROBE_DRAFTS)
+        else:
+            return
+        drafts = self.drafter.propose(seq, length)
+        if drafts:
+            seq.token_ids.extend(drafts)
+            seq.num_draft = len(drafts)
 
     @staticmethod
     def timed_rows(scheduled: list) -> int | None:

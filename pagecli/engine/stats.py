@@ -53,6 +53,7 @@ class EngineStats:
     weight_forms: str = ""  # how the weights are kept, in a few words (models.weight_plan.WeightPlan.summary)
     # Speculative decoding (engine/speculation.py): drafts checked and accepted, sequence-steps that checked
     # drafts and the tokens those steps yielded (tokens per pass = spec_tokens / spec_passes).
+    spec_method: str = ""  # --speculate resolved: off, ngram or draft
     spec_drafts: int = 0
     spec_accepted: int = 0
     spec_passes: int = 0

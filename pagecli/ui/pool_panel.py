@@ -111,7 +111,8 @@ def turn_line(turn: TurnStats) -> Text:
 
 def speculation_line(stats: EngineStats) -> Text:
     """How --speculate has done so far: drafts accepted, and tokens a checking pass gave."""
-    return Text(f"speculation: {stats.spec_acceptance:.0%} of {stats.spec_drafts:,} drafts accepted · "
+    method = f" ({stats.spec_method})" if stats.spec_method else ""
+    return Text(f"speculation{method}: {stats.spec_acceptance:.0%} of {stats.spec_drafts:,} drafts accepted · "
                 f"{stats.spec_tokens / stats.spec_passes:.2f} tokens a checking pass", style="magenta")
 
 
