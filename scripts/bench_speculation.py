@@ -1,13 +1,15 @@
-"""Speculative decoding by prompt lookup (issue 50): decode with and without `--speculate ngram`,
-alternating, and whether the outputs are the same.
+"""Speculative decoding (issue 50): decode with and without `--speculate ngram` (prompt lookup) or
+`--speculate draft` (a draft model), alternating, and whether the outputs are the same.
 
     .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
         [--workload edit|open] [--batch N] [--sampled] [--threads 2]
+        [--methods off,ngram,draft] [--model PATH] [--requests N] [--dtype D] [--quantize KIND] [--draft-model PATH] [--draft-quantize KIND]
     .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
 
 --workload open: 20 open-ended story requests instead (the issue's bound: speculation on costs at most 5%
 there); --batch N sends N requests together; --sampled runs the shipped sampling (0.7 / 0.95) with a seed,
-where speculation must give the same tokens too.
+where speculation must give the same tokens too. --methods draft drafts with --draft-model (default: the
+embedded model at its own defaults) for the main model at --dtype and --quantize (default auto).
 
 The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
 excerpt of this repository's own code or docs (as they were when the set was made) with an instruction
@@ -31,6 +33,7 @@ import torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.doctor import cpu_model
 from pagecli.engine import Engine
+from pagecli.models.source import resolve_model
 
 SET = Path(__file__).resolve().parent / "data" / "edit_set.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +99,28 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests sent together (default 1: one at a time)")
     ap.add_argument("--sampled", action="store_true",
                     help="the shipped sampling (temperature 0.7, top_p 0.95, seeded) instead of greedy")
+    ap.add_argument("--methods", default="off,ngram", help="comma-separated: off, ngram, draft")
+    ap.add_argument("--model", default=None, help="the main model (default: the embedded one)")
+    ap.add_argument("--requests", type=int, default=None, help="the set's first N requests only")
+    ap.add_argument("--quantize", default="auto", help="the main model's --quantize")
+    ap.add_argument("--dtype", default="auto", help="the main model's --dtype")
+    ap.add_argument("--draft-model", default=None, help="--speculate draft's model (default: the embedded one)")
+    ap.add_argument("--draft-quantize", default="auto", help="the draft model's --quantize")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    configs = {"off": EngineConfig(disk_cache=False, threads=args.threads, speculate="off")}
+    methods = args.methods.split(",")
+    draft_model = args.draft_model or str(resolve_model(None))
+    common = {"disk_cache": False, "threads": args.threads, "quantize": args.quantize, "dtype": args.dtype}
+    configs = {"off": EngineConfig(**common, speculate="off")} if "off" in methods else {}
     for k in (int(v) for v in args.k.split(",")):
-        configs[f"ngram k={k}"] = EngineConfig(disk_cache=False, threads=args.threads, speculate="ngram",
-                                               num_speculative_tokens=k)
+        if "ngram" in methods:
+            configs[f"ngram k={k}"] = EngineConfig(**common, speculate="ngram", num_speculative_tokens=k)
+        if "draft" in methods:
+            configs[f"draft k={k}"] = EngineConfig(**common, speculate="draft", num_speculative_tokens=k,
+                                                   draft_model=draft_model, draft_quantize=args.draft_quantize)
     if args.batch == 1:  # one request at a time, as chat or a one-line generate runs (their engine's dtype)
         configs = {name: config.for_one_stream() for name, config in configs.items()}
-    engines = {name: Engine(None, config) for name, config in configs.items()}
+    engines = {name: Engine(args.model, config) for name, config in configs.items()}
     tokenizer = next(iter(engines.values())).tokenizer
     if args.make_set:
         make_set(tokenizer)
@@ -115,8 +131,13 @@ def main() -> None:
                                     add_special_tokens=False) for r in requests]
     else:
         prompts = open_prompts(tokenizer)
+    prompts = prompts[: args.requests]
     sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=1, max_tokens=args.max_tokens) if args.sampled \
         else SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    forms = "; ".join(f"{name}: {engine.stats().weight_forms}" + (
+        f", draft {engine.drafter.engine.stats().weight_forms}" if engine.drafter else "")
+        for name, engine in engines.items() if name in ("off", f"draft k={args.k.split(',')[0]}"))
+    print(f"weights: {forms}")
     print(f"CPU: {cpu_model()}; {args.threads} threads; {len(prompts)} {args.workload} requests "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), {args.batch} at a time, "
           f"{'sampled 0.7/0.95, seeded' if args.sampled else 'greedy'}, max_tokens {args.max_tokens}; "
@@ -129,20 +150,29 @@ def main() -> None:
         for name in order:
             speed, outputs = run(engines[name], prompts, args.max_tokens, args.batch, sampling)
             speeds[name].append(speed)
-            if name == "off":
+            if name == "off" or "off" not in engines and reference is None:
                 reference = outputs if reference is None else reference
             elif reference is not None:
                 differing[name] = max(differing[name], sum(a != b for a, b in zip(outputs, reference)))
             print(f"  rep {rep + 1} {name:10} {speed:7.1f} tok/s", flush=True)
-    base = statistics.median(speeds["off"])
+    base = statistics.median(next(iter(speeds.values())))
     for name, values in speeds.items():
         stats = engines[name].stats()
         extra = "" if not stats.spec_passes else (
             f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} tokens per pass, "
             f"outputs differing from off: {differing[name]}; a row's measured cost r = "
-            f"{engines[name].speculator.row_cost.value:.2f} of a one-row step")
+            f"{engines[name].speculator.row_cost.value:.2f} of a one-row step{_draft_cost(engines[name])}")
         print(f"{name:10} {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}] tok/s "
               f"({statistics.median(values) / base:.2f}x){extra}")
+
+
+def _draft_cost(engine: Engine) -> str:
+    """A draft model's measured step, as a share of a plain main step (what each draft adds to r)."""
+    drafter, cost = engine.drafter, engine.speculator.row_cost
+    if drafter is None or drafter.seconds_per_draft is None or not cost.plain_step_s:
+        return ""
+    return (f", a draft step {drafter.seconds_per_draft * 1e3:.1f} ms = "
+            f"{drafter.seconds_per_draft / cost.plain_step_s:.2f} of a plain step ({cost.plain_step_s * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
+from pagecli.cli.generate import _speculation as speculation_summary
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.draft_budget import (MAX_PROBE_EVERY, PROBE_DRAFTS, DraftBudget, ProbeClock, RowCost,
@@ -162,6 +164,9 @@ def test_the_draft_pool_comes_out_of_the_same_budget(models):
     assert engine.pool.num_blocks < alone.pool.num_blocks
     stats = engine.stats()
     assert stats.spec_method == "draft" and alone.stats().spec_method == "off"
+    checked = replace(stats, spec_drafts=4, spec_accepted=2, spec_passes=2, spec_tokens=4)
+    assert "speculation (draft) accepted 50% of 4 drafts" in speculation_summary(checked)
+    assert checked.to_dict()["spec_method"] == "draft"  # --json's stats
 
 
 def test_draft_and_draft_model_come_together():

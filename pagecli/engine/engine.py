@@ -250,8 +250,9 @@ class Engine:
     def _load_draft_model(self, progress: Callable[[str], None] | None) -> DraftModel:
         """--draft-model loaded by an engine of its own (engine/draft_model.py); PagecliError for another
         tokenizer than this model's."""
-        draft = Engine(self.config.draft_model, draft_config(self.config), progress=progress)
-        self._warnings.extend(draft.take_warnings())
+        said = None if progress is None else (lambda message: progress(f"Draft model: {message}"))
+        draft = Engine(self.config.draft_model, draft_config(self.config), progress=said)
+        self._warnings.extend(f"Draft model: {warning}" for warning in draft.take_warnings())
         drafter = DraftModel(draft, self.loaded.spec.vocab_size)
         drafter.check_tokenizer(self.tokenizer, self.model_name)
         return drafter

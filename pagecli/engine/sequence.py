@@ -47,7 +47,7 @@ class Sequence:
     candidate_index: int = 0  # which of the request's n candidates this is
     forked: bool = False  # candidate 0 of an n > 1 request, once its candidates exist
     num_draft: int = 0  # draft tokens at the end of token_ids for this step only (engine/speculation.py)
-    spec: Any = None  # (draft_budget.DraftBudget, ngram_proposer.NgramIndex) once it may take drafts
+    spec: Any = None  # (DraftBudget, NgramIndex, or ProbeClock with a draft model) once it may take drafts
     grammar: Any = None  # engine/structured.GrammarState when the request constrains its output
     lora: Any = None  # models/lora.LoraAdapter this sequence runs (None: the base model)
     hash_root: bytes | None = None  # the root of its prefix-cache chains when not the model's (an adapter's)

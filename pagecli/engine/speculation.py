@@ -24,11 +24,11 @@ each step, the number of drafts whose expected tokens per unit of step cost is h
 acceptance so far and the engine's measured cost of a row (engine/draft_budget.py): none where no number
 beats a plain step, as on open text where lookup rarely guesses right; a free shadow guess each plain step
 lets it resume when the output starts copying. Proposals come from each sequence's n-gram index
-(ngram_proposer.NgramIndex), a few lookups a step, or with --speculate draft from a draft model's greedy tokens
-(engine/draft_model.py): there a draft also costs a draft-model step (timed, added to r), and a sequence that
-takes none probes with a real pass now and then instead of shadow guesses. And no sequence takes drafts while more than
-`speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts cost more than the steps
-they save (at 4 sequences 0.93x on the editing set, AVX2).
+(ngram_proposer.NgramIndex), a few lookups a step, or with --speculate draft from a draft model's greedy
+tokens (engine/draft_model.py): there a draft also costs a draft-model step (timed, added to r), and a
+sequence that takes none probes with a real pass now and then instead of shadow guesses. And no sequence
+takes drafts while more than `speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts
+cost more than the steps they save (at 4 sequences 0.93x on the editing set, AVX2).
 """
 
 from __future__ import annotations
