@@ -79,7 +79,7 @@ def instrument(engine: Engine, timers: Timers) -> None:
     engine.runner.prepare = timers.wrap("inputs", engine.runner.prepare)
     model = engine.loaded.model
     model.forward = timers.wrap("layers", model.forward)
-    model.compute_logits = timers.wrap("logits", model.compute_logits)
+    model.logits_and_greedy = timers.wrap("logits", model.logits_and_greedy)  # the output layer (and greedy choice)
     engine._on_token = timers.wrap("tokens", engine._on_token)
     engine_module.sample = timers.wrap("sample", engine_module.sample)
 
