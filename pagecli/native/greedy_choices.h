@@ -12,6 +12,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
 
@@ -60,14 +61,17 @@ class GreedyChoices {
  public:
   // For a product of `rows` rows, run in a parallel region of at most at::get_num_threads() threads.
   explicit GreedyChoices(int64_t rows)
-      : rows_(rows), stride_(rows + 4), slots_(std::max<int64_t>(1, omp_get_max_threads())),
+      : rows_(rows), stride_(rows + 4),
+        slots_(std::max<int64_t>({1, omp_get_max_threads(), at::get_num_threads()})),
         best_(slots_ * stride_), used_(slots_, 0) {}
 
   // Folds one stored tile into this thread's slot: y points at output [m0, c0], rows `stride` values
   // apart; the tile is `rows` rows by `cols` columns.
   template <typename scalar_t>
   void tile(const scalar_t* y, int64_t stride, int64_t m0, int64_t rows, int64_t c0, int64_t cols) {
-    const int64_t slot = omp_in_parallel() ? omp_get_thread_num() : 0;
+    // OpenMP's thread number inside a region of its own (a Team's, or ATen's on its OpenMP backend), else
+    // ATen's (its native thread pool; 0 outside any region).
+    const int64_t slot = omp_in_parallel() ? omp_get_thread_num() : at::get_thread_num();
     if (slot >= slots_) {  // a region larger than promised: the caller falls back to a pass of its own
       overflow_.store(true, std::memory_order_relaxed);
       return;
