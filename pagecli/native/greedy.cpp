@@ -75,8 +75,14 @@ std::vector<int64_t> greedy_tokens(const torch::Tensor& logits) {
 
 int64_t choice_of_nan_row(const at::Tensor& row) { return std::get<1>(row.max(0)).item<int64_t>(); }
 
-at::Tensor GreedyChoices::finish(const at::Tensor& stored) const {
+at::Tensor GreedyChoices::finish(const at::Tensor& stored) {
   if (overflow_.load(std::memory_order_relaxed)) return at::Tensor();
+  PAGECLI_DISPATCH(stored.scalar_type(), "greedy_choices", [&] {
+    for (int64_t slot = 0; slot < slots_; ++slot) {
+      const Tile& last = pending_[slot];
+      if (last.rows) fold(static_cast<const scalar_t*>(last.y), last, best_.data() + slot * stride_);
+    }
+  });
   at::Tensor choices = at::empty({rows_}, stored.options().dtype(at::kLong));  // [rows]
   int64_t* out = choices.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows_; ++r) {

@@ -63,10 +63,12 @@ class GreedyChoices {
   explicit GreedyChoices(int64_t rows)
       : rows_(rows), stride_(rows + 4),
         slots_(std::max<int64_t>({1, omp_get_max_threads(), at::get_num_threads()})),
-        best_(slots_ * stride_), used_(slots_, 0) {}
+        best_(slots_ * stride_), used_(slots_, 0), pending_(slots_) {}
 
-  // Folds one stored tile into this thread's slot: y points at output [m0, c0], rows `stride` values
-  // apart; the tile is `rows` rows by `cols` columns.
+  // Takes one stored tile into this thread's slot: y points at output [m0, c0], rows `stride` values
+  // apart; the tile is `rows` rows by `cols` columns. It is folded when the thread stores its next tile
+  // (or in finish): read back right after its stores, a tile's vector loads wait for them to retire (a
+  // load wider than the stores it reads is not forwarded).
   template <typename scalar_t>
   void tile(const scalar_t* y, int64_t stride, int64_t m0, int64_t rows, int64_t c0, int64_t cols) {
     // OpenMP's thread number inside a region of its own (a Team's, or ATen's on its OpenMP backend), else
@@ -81,23 +83,14 @@ class GreedyChoices {
       std::fill(mine, mine + rows_, Best{});
       used_[slot] = 1;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* row = y + r * stride;
-      Best& best = mine[m0 + r];
-      if (best.nan || !reaches(row, cols, best.value)) continue;  // the common case: nothing here beats it
-      bool has_nan = false;
-      const float top = max_of_row(row, cols, has_nan);
-      if (has_nan) {
-        best.nan = true;
-      } else if (top > best.value || (top == best.value && c0 < best.index)) {
-        best.take(top, c0 + first_index_of(row, cols, top));
-      }
-    }
+    Tile& pending = pending_[slot];
+    if (pending.rows) fold(static_cast<const scalar_t*>(pending.y), pending, mine);
+    pending = Tile{y, stride, m0, rows, c0, cols};
   }
 
   // The choices merged over the threads, int64 [rows], for `stored`, the product's output [rows, N] the
-  // tiles were folded from (a NaN row is read there); undefined when a slot overflowed.
-  at::Tensor finish(const at::Tensor& stored) const;
+  // tiles were taken from (a NaN row is read there); undefined when a slot overflowed.
+  at::Tensor finish(const at::Tensor& stored);
 
  private:
   struct Best {
@@ -113,9 +106,31 @@ class GreedyChoices {
     }
   };
 
+  struct alignas(64) Tile {  // a line of its own: each thread writes its slot's at every tile
+    const void* y = nullptr;
+    int64_t stride = 0, m0 = 0, rows = 0, c0 = 0, cols = 0;  // rows 0: none
+  };
+
+  template <typename scalar_t>
+  static void fold(const scalar_t* y, const Tile& t, Best* mine) {
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const scalar_t* row = y + r * t.stride;
+      Best& best = mine[t.m0 + r];
+      if (best.nan || !reaches(row, t.cols, best.value)) continue;  // the common case: nothing here beats it
+      bool has_nan = false;
+      const float top = max_of_row(row, t.cols, has_nan);
+      if (has_nan) {
+        best.nan = true;
+      } else if (top > best.value || (top == best.value && t.c0 < best.index)) {
+        best.take(top, t.c0 + first_index_of(row, t.cols, top));
+      }
+    }
+  }
+
   int64_t rows_, stride_, slots_;  // stride_: a slot's rows, padded so two threads' rows rarely share a line
   std::vector<Best> best_;         // [slots_, stride_]
   std::vector<char> used_;         // per slot: whether its thread stored a tile (its rows are set)
+  std::vector<Tile> pending_;      // per slot: the last tile its thread stored, not yet folded
   std::atomic<bool> overflow_{false};
 };
 
