@@ -13,8 +13,9 @@ Python around the kernels, sampling, stop checks and detokenizing, stats. Each c
   inputs     ModelRunner.prepare: token ids, positions, block tables, slot mapping as tensors
   layers     the forward through the decoder layers (products, norms, attention): arithmetic, plus the
              Python between kernels where a step is not one native call
-  logits     the output layer: real arithmetic even here (49,152 x 64 per row)
-  sample     engine.sampler.sample over the step's logits
+  logits     the output layer: real arithmetic even here (49,152 x 64 per row), and each row's greedy
+             choice where the output product takes it as it writes the logits (PAGECLI_GREEDY_IN_OUTPUT=0: not)
+  sample     engine.sampler.sample over the step's logits (the greedy pass over them where the product did not)
   tokens     per sequence: append, stop checks, detokenize, events (Engine._on_token)
   other      the rest of Engine.step (bookkeeping between the parts)
   host       a step less its layers and logits: what issue 44 asks to bring under 1 ms at 64 sequences
@@ -79,7 +80,7 @@ def instrument(engine: Engine, timers: Timers) -> None:
     engine.runner.prepare = timers.wrap("inputs", engine.runner.prepare)
     model = engine.loaded.model
     model.forward = timers.wrap("layers", model.forward)
-    model.compute_logits = timers.wrap("logits", model.compute_logits)
+    model.logits_and_greedy = timers.wrap("logits", model.logits_and_greedy)  # the output layer (and greedy choice)
     engine._on_token = timers.wrap("tokens", engine._on_token)
     engine_module.sample = timers.wrap("sample", engine_module.sample)
 

@@ -62,11 +62,11 @@ def timing(scheduled):
         print(f"{k:34s} median {statistics.median(v):7.1f} ms  range {min(v):.1f}-{max(v):.1f}", flush=True)
 
 done = [False]
-def wrapper(scheduled):
+def wrapper(scheduled, greedy=False):
     if not done[0] and len(scheduled) == 64 and all(it.num_new_tokens == 1 for it in scheduled):
         done[0] = True
         timing(scheduled)
-    return orig(scheduled)
+    return orig(scheduled, greedy)
 eng.runner.execute = wrapper
 for i in range(64):
     eng.add_request(eng.encode(f"write about topic {i} now"),

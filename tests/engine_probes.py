@@ -13,10 +13,10 @@ def recorded_logits(engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def record(scheduled):
-        logits = execute(scheduled)
+    def record(scheduled, greedy=False):
+        logits, choices = execute(scheduled, greedy)
         seen.append(logits.clone())
-        return logits
+        return logits, choices
 
     engine.runner.execute = record
     return seen

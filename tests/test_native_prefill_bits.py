@@ -26,11 +26,11 @@ def logits_of(engine, prompt: str) -> tuple[list[torch.Tensor], tuple[int, ...]]
     rows: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def recording(scheduled):
-        logits = execute(scheduled)
+    def recording(scheduled, greedy=False):
+        logits, choices = execute(scheduled, greedy)
         if logits.shape[0]:
             rows.append(logits.clone())
-        return logits
+        return logits, choices
 
     engine.runner.execute = recording
     try:

@@ -405,7 +405,12 @@ class Engine:
         sampled = [item.seq for item in plan.scheduled if item.samples]
         timed_rows = self.speculator.timed_rows(plan.scheduled) if self.speculator else None
         started = time.perf_counter()
-        logits = self.runner.execute(plan.scheduled)
+        # The rows' greedy choices from the output layer where it takes them, for the rows sample() would scan
+        # (greedy or constrained ones); kept only while the logits are the step's own rows, unreordered.
+        wants_greedy = self._sampling_ops is not None and any(seq.sampling.greedy or seq.grammar is not None
+                                                              for seq in sampled)
+        step_logits, greedy_choices = self.runner.execute(plan.scheduled, wants_greedy)
+        logits = step_logits
         yielded: dict[int, list[int]] = {}
         if self.speculator and any(seq.num_draft for seq in sampled):
             sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)
@@ -426,7 +431,9 @@ class Engine:
         sampled, logits, ended = self.beams.take_rows(sampled, logits)
         events = events_ahead + [self._beam_event(beam) for beam in ended]
         sampled, logits = self._fork_finished_prompts(sampled, logits)
-        for seq, token_id in zip(sampled, sample(logits, sampled, self._sampling_ops)):
+        if logits is not step_logits:  # rows taken out, repeated or reordered (drafts, beams, forks)
+            greedy_choices = None
+        for seq, token_id in zip(sampled, sample(logits, sampled, self._sampling_ops, greedy_choices)):
             if token_id < 0:  # its grammar allows no token: that request ends here, the others run on
                 events.append(self._dead_end(seq))
                 continue

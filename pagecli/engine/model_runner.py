@@ -93,15 +93,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward one step; returns logits [num_sampled, vocab] in scheduled order."""
+    def execute(self, scheduled: list[ScheduledSeq], greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward one step; returns logits [num_sampled, vocab] in scheduled order and, with greedy, each
+        row's greedy choice [num_sampled] where the output layer took it as it wrote them (else None)."""
         inputs = self.prepare(scheduled)
         hidden = self.loaded.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend,
                                    inputs.lora)
         # The indices increase, so as many as there are rows means every row (a decode step): no gather.
         if inputs.sample_indices.numel() != hidden.shape[0]:
             hidden = hidden[inputs.sample_indices]
-        return self.loaded.model.compute_logits(hidden)
+        return self.loaded.model.logits_and_greedy(hidden, greedy)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Run copy-on-write copies, (source, destination) block ids, before the step that writes them."""

@@ -75,10 +75,12 @@ def skip_draw(seq: Sequence) -> None:
         seq.rng.next_word()
 
 
-def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None = None) -> list[int]:
+def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None = None,
+           greedy_choices: torch.Tensor | None = None) -> list[int]:
     """logits: [num_seqs, vocab] (any dtype, any device); one token id per sequence, -1 for a constrained one
     whose grammar left no token. ops: pagecli's CPU kernels (pagecli.native), which take CPU rows; without
-    them, tensor operations on the logits' device."""
+    them, tensor operations on the logits' device. greedy_choices: int64 [num_seqs], each row's first index of
+    its largest logit as the output layer took it (ModelRunner.execute), in place of a pass over the logits."""
     constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
     if constrained:
         logits = logits.cpu()  # the grammar's masks are built on the CPU
@@ -87,10 +89,11 @@ def sample(logits: torch.Tensor, seqs: SequenceOf[Sequence], ops: CpuOps | None 
         logits = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]
         for row in penalised:
             apply_penalties(logits[row], seqs[row])
+        greedy_choices = None  # not these logits' choices any more
     sampled = [row for row, seq in enumerate(seqs) if not seq.sampling.greedy]
     if not constrained and (ops is None or logits.device.type != "cpu"):
         return _sample_on_device(logits, seqs, sampled)
-    chosen = _greedy_choices(logits, seqs, constrained, ops)
+    chosen = _greedy_choices(logits, seqs, constrained, ops, greedy_choices)
     if sampled:
         rows = logits if len(sampled) == len(seqs) else logits[torch.tensor(sampled, device=logits.device)]
         params = [seqs[row].sampling for row in sampled]
@@ -123,16 +126,22 @@ def _sample_on_device(logits: torch.Tensor, seqs: SequenceOf[Sequence], sampled:
     return chosen.tolist()
 
 
-def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: CpuOps | None) -> list[int]:
-    """The greedy rows' tokens (every row's argmax, taken once for the batch), after their grammar masks (-1
-    where a mask left no token); masks the sampled rows' logits in place too. Sampled rows get a placeholder."""
+def _greedy_choices(logits: torch.Tensor, seqs: SequenceOf[Sequence], constrained: list[int], ops: CpuOps | None,
+                    taken: torch.Tensor | None = None) -> list[int]:
+    """The greedy rows' tokens (every row's argmax, taken once for the batch, or `taken` where the output layer
+    took them), after their grammar masks (-1 where a mask left no token); masks the sampled rows' logits in
+    place too. Sampled rows get a placeholder."""
     wanted = constrained or any(seq.sampling.greedy for seq in seqs)
     if not wanted:
         return [0] * len(seqs)
+    if taken is not None and taken.shape[0] == logits.shape[0]:
+        chosen = taken.tolist()
     # The native kernel gives torch.max's index (the first of equal maxima) in a few us where max()
     # takes 50-180; max() is about 4x faster than argmax() on bfloat16.
-    chosen = ops.greedy_tokens(logits) if ops is not None and logits.device.type == "cpu" else \
-        logits.max(dim=-1).indices.tolist()
+    elif ops is not None and logits.device.type == "cpu":
+        chosen = ops.greedy_tokens(logits)
+    else:
+        chosen = logits.max(dim=-1).indices.tolist()
     if constrained:
         from pagecli.engine.structured import apply_grammar_masks
 

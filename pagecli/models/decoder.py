@@ -144,6 +144,7 @@ class CausalLM(nn.Module):
     linear_kernel: LinearKernel | None = None  # bf16 products of row-layout weights on pagecli.native's kernels
     decode_step: Any = None  # pagecli.native's DecodeStep over this model's weights
     output_packed: Any = None  # the output layer's product (panels, int8), when not a row-layout weight
+    output_chooses: bool = False  # output_packed takes each row's greedy choice as it writes the logits
     source_folder: Path | None = None  # the folder load_model read (a GGUF's conversion names its file)
 
     @property
@@ -205,6 +206,14 @@ class CausalLM(nn.Module):
             x = layer.pre_feedforward_layernorm.add_and_norm(h, delta)
             delta = layer.post_feedforward_layernorm(layer.mlp(x, layer_lora))
         return self.model.norm.add_and_norm(h, delta)
+
+    def logits_and_greedy(self, hidden: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """compute_logits, and with greedy each row's greedy choice, int64 [num_selected] (greedy_tokens' over
+        these logits), where the output product takes it as it writes the logits, tile by tile while they are
+        in cache: no second pass over [num_selected, vocab]. None where it does not (the caller's pass)."""
+        if greedy and self.output_chooses and hidden.dim() == 2:
+            return self.output_packed.forward_choosing(hidden)  # [num_selected, vocab], [num_selected] or None
+        return self.compute_logits(hidden), None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.output_packed is not None:

@@ -135,6 +135,10 @@ class WeightPlacer:
                 module.kernel = ops.silu_mul
         _stream_weights_from_large_pages(model, ops)
         model.decode_step = self._decode_step(model)
+        # A soft-capped output (Gemma) is tanh of the product: two logits may round to one there, and the
+        # first of them is not always the product's largest.
+        model.output_chooses = (self.plan.greedy_in_output and model.spec.final_softcap is None
+                                and hasattr(model.output_packed, "forward_choosing"))
 
     def _place_output(self, model: CausalLM) -> None:
         form = self.plan.output

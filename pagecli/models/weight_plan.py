@@ -63,6 +63,7 @@ _OFF = ("0", "false", "no", "off")
 PACKED_GEMM_VAR = "PAGECLI_PACKED_GEMM"  # 0: bf16 models keep row-layout weights (A/B runs)
 FLOAT_PANELS_VAR = "PAGECLI_BF16_WEIGHTS"  # 0: float32 models keep PyTorch's products (A/B runs)
 DECODE_TEAM_VAR = "PAGECLI_DECODE_TEAM"  # 0: a parallel region per kernel in the decode step (A/B runs)
+GREEDY_IN_OUTPUT_VAR = "PAGECLI_GREEDY_IN_OUTPUT"  # 0: the greedy choice in a pass of its own (A/B runs)
 
 
 def _switched_off(variable: str) -> bool:
@@ -93,6 +94,12 @@ def decode_team_wanted() -> bool:
     return not _switched_off(DECODE_TEAM_VAR)
 
 
+def greedy_in_output_wanted() -> bool:
+    """Whether the output layer's native products take each row's greedy choice as they write the logits
+    (greedy_choices.h), unless PAGECLI_GREEDY_IN_OUTPUT=0 (greedy_tokens' pass then: the same tokens)."""
+    return not _switched_off(GREEDY_IN_OUTPUT_VAR)
+
+
 def kernel_takes(kind: str, dtype: torch.dtype) -> bool:
     """Whether a native quantized kernel of this kind (ops.int8_linear_kind() or int4_linear_kind()) takes
     activations of this dtype: the AVX2 and AVX512-VNNI ones take float32, bf16 and fp16."""
@@ -118,6 +125,7 @@ class WeightPlan:
     row_kernel: bool  # bf16 products of row-layout weights on pagecli.native's row kernels
     decode_step: bool  # decode-only steps run the whole layer loop in one C++ call
     decode_team: bool  # ... as one parallel region where the step has few rows
+    greedy_in_output: bool  # the output layer's native product takes each row's greedy choice as it writes them
     why: str  # one sentence: why this quantize (the default's choice, or the flag)
 
     def gguf_form(self, type_name: str) -> str:
@@ -189,7 +197,8 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
         native=ops is not None, int8_native=int8_native, int4_native=int4_native, int16_activations=int16,
         q8_0_as_is=q8_0_as_is, floats=float_form,
         row_kernel=ops is not None and dtype == torch.bfloat16,
-        decode_step=ops is not None and not in_pytorch and llama_shaped, decode_team=decode_team_wanted(), why=why,
+        decode_step=ops is not None and not in_pytorch and llama_shaped, decode_team=decode_team_wanted(),
+        greedy_in_output=ops is not None and greedy_in_output_wanted(), why=why,
     )
 
 

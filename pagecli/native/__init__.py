@@ -64,7 +64,7 @@ _SOURCES = tuple(_HERE / name for name in (
 _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "float_panels.h", "panel_f32.h", "quant_int8.h",
     "quant_int4.h", "panel_i16.h", "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
-    "work_share.h", "read_probe.h", "weight_memory.h", "row_max.h", "lora_add.h", "tile_rows.h",
+    "work_share.h", "read_probe.h", "weight_memory.h", "row_max.h", "greedy_choices.h", "lora_add.h", "tile_rows.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "gemm_bf16.h"
+#include "greedy_choices.h"
 #include "simd.h"
 #include "work_share.h"
 
@@ -128,9 +129,10 @@ struct TileRows {
 
 // x [M, K] times a product's packed panels -> y [M, N] in x's dtype: x's activations rounded once
 // (quantize_activations), then product.tile<rows, scalar_t>(panel, TileRows) for every panel and
-// register tile, in product_units' order, shared out over the threads.
+// register tile, in product_units' order, shared out over the threads; each tile folded into `choices`
+// as it is stored, where given.
 template <typename Product>
-at::Tensor run_vnni_product(const at::Tensor& x, int64_t N, const Product& product) {
+at::Tensor run_vnni_product(const at::Tensor& x, int64_t N, const Product& product, GreedyChoices* choices = nullptr) {
   const int64_t M = x.size(0), num_panels = ceil_div(N, kPackedPanelCols);
   auto y = at::empty({M, N}, x.options());  // [M, N]
   if (M == 0) return y;
@@ -150,11 +152,15 @@ at::Tensor run_vnni_product(const at::Tensor& x, int64_t N, const Product& produ
           const TileRows tile{qp + m0 * Kp, dp + m0 * blocks, sp + m0 * 2 * blocks, Kp,
                               yp + m0 * N + panel * kPackedPanelCols, N,
                               std::min(kPackedPanelCols, N - panel * kPackedPanelCols)};
-          switch (std::min(kVnniTileRows, M - m0)) {
+          const int64_t rows = std::min(kVnniTileRows, M - m0);
+          switch (rows) {
             case 1: product.template tile<1, scalar_t>(panel, tile); break;
             case 2: product.template tile<2, scalar_t>(panel, tile); break;
             case 3: product.template tile<3, scalar_t>(panel, tile); break;
             default: product.template tile<4, scalar_t>(panel, tile); break;
+          }
+          if (choices) {
+            choices->tile(static_cast<const scalar_t*>(tile.y), N, m0, rows, panel * kPackedPanelCols, tile.cols);
           }
         }
       }

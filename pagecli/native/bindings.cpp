@@ -47,7 +47,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (tests load several), and pybind11 would otherwise register the same C++ types twice.
   pybind11::class_<pagecli::PackedProduct, std::shared_ptr<pagecli::PackedProduct>>(m, "PackedProduct",
                                                                                   pybind11::module_local())
-      .def("forward", &pagecli::PackedProduct::forward, "x [..., K] -> x @ w^T (+ bias) [..., N]");
+      .def("forward", &pagecli::PackedProduct::forward, "x [..., K] -> x @ w^T (+ bias) [..., N]")
+      .def("forward_choosing", &pagecli::PackedProduct::forward_choosing,
+           "x [M, K] -> (forward(x) [M, N], each row's greedy choice int64 [M] taken as the tiles are stored, or "
+           "None where the kernel does not take them)");
   pybind11::class_<pagecli::PackedLinear, pagecli::PackedProduct, std::shared_ptr<pagecli::PackedLinear>>(
       m, "PackedLinear", pybind11::module_local())
       .def(pybind11::init<const torch::Tensor&, const c10::optional<torch::Tensor>&>(), pybind11::arg("weight"),

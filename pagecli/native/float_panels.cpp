@@ -113,20 +113,34 @@ at::Tensor F32PanelLinear::forward(const at::Tensor& x) const {
 
 bool F32PanelLinear::runs_into() const { return PAGECLI_PANEL_F32; }
 
-void F32PanelLinear::forward_into(const at::Tensor& x, at::Tensor& y) const {
+void F32PanelLinear::forward_into(const at::Tensor& x, at::Tensor& y) const { product_into(x, y, nullptr); }
+
+void F32PanelLinear::product_into(const at::Tensor& x, at::Tensor& y, GreedyChoices* choices) const {
 #if PAGECLI_PANEL_F32
   const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t M = x.size(0);
   if (panels_.scalar_type() == at::kBFloat16) {
-    panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_}, xp, bp, yp, M, N_, K_);
+    panel_product(Bf16Panels{reinterpret_cast<const uint16_t*>(panels_.data_ptr<at::BFloat16>()), K_}, xp, bp, yp, M, N_,
+                  K_, choices);
   } else {
-    panel_product(F32Panels{panels_.data_ptr<float>(), K_}, xp, bp, yp, M, N_, K_);
+    panel_product(F32Panels{panels_.data_ptr<float>(), K_}, xp, bp, yp, M, N_, K_, choices);
   }
 #else
   PackedProduct::forward_into(x, y);
 #endif
+}
+
+std::tuple<at::Tensor, at::Tensor> F32PanelLinear::forward_choosing(const at::Tensor& x) const {
+  if (!runs_into() || x.dim() != 2 || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.size(1) != K_) {
+    return PackedProduct::forward_choosing(x);
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({xc.size(0), N_}, xc.options());  // [M, N]
+  GreedyChoices choices(xc.size(0));
+  product_into(xc, y, &choices);
+  return {y, choices.finish(y)};
 }
 
 at::Tensor F32PanelLinear::rows(const at::Tensor& ids) const {

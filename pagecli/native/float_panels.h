@@ -9,7 +9,11 @@
 
 #include "gemm_bf16.h"
 
+#include <tuple>
+
 namespace pagecli {
+
+class GreedyChoices;
 
 // Whether every value of the float32 tensor w is a bfloat16 (the low 16 bits of each are zero), so
 // that keeping it in bf16 loses nothing: true of every float32 model converted from a bf16
@@ -32,6 +36,8 @@ class F32PanelLinear : public PackedProduct {
   bool runs_into() const override;
   at::ScalarType into_dtype() const override { return at::kFloat; }
   void forward_into(const at::Tensor& x, at::Tensor& y) const override;
+  // float32 x [M, K]: the choices over the float32 outputs.
+  std::tuple<at::Tensor, at::Tensor> forward_choosing(const at::Tensor& x) const override;
   // w[ids] [*ids.shape, K] float32, read back from the panels (exact): an embedding table shared
   // with the output layer is then kept only here.
   at::Tensor rows(const at::Tensor& ids) const;
@@ -41,6 +47,9 @@ class F32PanelLinear : public PackedProduct {
   int64_t in_features() const { return K_; }
 
  private:
+  // forward_into, each tile folded into choices where given.
+  void product_into(const at::Tensor& x, at::Tensor& y, GreedyChoices* choices) const;
+
   at::Tensor panels_;  // [ceil(N / 16), K, 16] bf16 or float32 (layout in float_panels.cpp)
   at::Tensor bias_;    // [N] fp32, or undefined
   int64_t N_, K_;

@@ -24,6 +24,7 @@
 // tile height that served it or the thread count; so a row's result never depends on its batch.
 
 #include "gemm_bf16.h"
+#include "greedy_choices.h"
 #include "weight_memory.h"
 #include "work_share.h"
 
@@ -167,8 +168,9 @@ namespace {
 
 // y [M, N] = xc [M, K] (contiguous) @ the packed weights (+ bias, fp32 padded to whole panels).
 // y [M, N] (contiguous) = xc [M, K] @ w^T (+ bias); allocates nothing (a Team's members all run it).
+// Each tile is folded into `choices` as it is stored, where given.
 void packed_product_into(const at::Tensor& xc, const at::Tensor& packed, const float* bp, int64_t N, int64_t K,
-                         at::Tensor& y) {
+                         at::Tensor& y, GreedyChoices* choices = nullptr) {
   const int64_t M = xc.size(0), num_panels = ceil_div(N, kPanelCols), k_pairs = ceil_div(K, 2);
   if (M == 0) return;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
@@ -225,6 +227,7 @@ void packed_product_into(const at::Tensor& xc, const at::Tensor& packed, const f
             run_tile<1>(rows, t, stream, limit_begin, limit_step);
           }
         }
+        if (choices) choices->tile(reinterpret_cast<const c10::BFloat16*>(t.y), N, m0, rows, panel * kPanelCols, t.cols);
       }
     }
   });
@@ -327,6 +330,10 @@ void PackedProduct::forward_into(const at::Tensor&, at::Tensor&) const {
   TORCH_CHECK(false, "this product has no forward_into (runs_into() is false)");
 }
 
+std::tuple<at::Tensor, at::Tensor> PackedProduct::forward_choosing(const at::Tensor& x) const {
+  return {forward(x), at::Tensor()};
+}
+
 at::Tensor PackedProduct::forward_via_into(const at::Tensor& x2) const {
   const at::Tensor xi = x2.to(into_dtype()).contiguous();
   at::Tensor y = at::empty({xi.size(0), out_features()}, xi.options());
@@ -342,6 +349,19 @@ void PackedLinear::forward_into(const at::Tensor& x, at::Tensor& y) const {
 #else
   PackedProduct::forward_into(x, y);
 #endif
+}
+
+std::tuple<at::Tensor, at::Tensor> PackedLinear::forward_choosing(const at::Tensor& x) const {
+#if PAGECLI_HAVE_PACKED_GEMM
+  if (x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.size(1) == K_) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({xc.size(0), N_}, xc.options());  // [M, N]
+    GreedyChoices choices(xc.size(0));
+    packed_product_into(xc, panels_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_, K_, y, &choices);
+    return {y, choices.finish(y)};
+  }
+#endif
+  return PackedProduct::forward_choosing(x);
 }
 
 at::Tensor PackedLinear::rows(const at::Tensor& ids) const { return gather_packed_rows(panels_, ids, N_, K_); }

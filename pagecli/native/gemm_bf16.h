@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 
 namespace pagecli {
 
@@ -87,6 +88,11 @@ class PackedProduct {
   virtual bool runs_into() const { return false; }
   virtual at::ScalarType into_dtype() const { return at::kBFloat16; }
   virtual void forward_into(const at::Tensor& x, at::Tensor& y) const;
+  // forward() of x [M, K] with each row's greedy choice taken as the kernel stores its tiles
+  // (greedy_choices.h): (y [M, N], choices int64 [M], greedy_tokens' choices over y). choices is
+  // undefined where the kernel does not take them for this x (then y is forward()'s, and the caller
+  // makes its own pass).
+  virtual std::tuple<at::Tensor, at::Tensor> forward_choosing(const at::Tensor& x) const;
 
  protected:
   // forward() of a product whose forward_into runs: x2 [M, K] (any float dtype, converted to
@@ -105,6 +111,8 @@ class PackedLinear : public PackedProduct {
   at::Tensor forward(const at::Tensor& x) const override;
   bool runs_into() const override;
   void forward_into(const at::Tensor& x, at::Tensor& y) const override;
+  // bf16 x [M, K]: the choices over the bf16 outputs as stored.
+  std::tuple<at::Tensor, at::Tensor> forward_choosing(const at::Tensor& x) const override;
   // w[ids]: gather_packed_rows over these panels.
   at::Tensor rows(const at::Tensor& ids) const;
 

@@ -1,8 +1,10 @@
 // The greedy choice: each row's first index of its largest logit, as torch.max(dim=-1) gives it. For
 // one stream it is a pass over a vocabulary-sized row per token (49,152 bf16 values for SmolLM2),
-// where torch's reduction, called from Python right after the output layer, took 50-180 us.
+// where torch's reduction, called from Python right after the output layer, took 50-180 us. And the
+// merge of the choices an output product took as it stored its tiles (greedy_choices.h).
 
 #include "cpu_ops.h"
+#include "greedy_choices.h"
 #include "row_max.h"
 #include "simd.h"
 #include "work_share.h"
@@ -20,31 +22,6 @@
 
 namespace pagecli {
 namespace {
-
-// The first index of `value` in row[0, n) (present: max_of_row found it there).
-template <typename scalar_t>
-int64_t first_index_of(const scalar_t* row, int64_t n, float value) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(value);
-  for (; i + 16 <= n; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i), target, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-#elif defined(__AVX2__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const __m256 target = _mm256_set1_ps(value);
-    for (; i + 8 <= n; i += 8) {
-      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
-      if (hit) return i + __builtin_ctz(hit);
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    if (to_float(row[i]) == value) return i;
-  }
-  return 0;
-}
 
 constexpr int64_t kChunk = 1024;  // logits per chunk of greedy_tokens' one pass: 4 KiB of float32
 
@@ -90,10 +67,36 @@ std::vector<int64_t> greedy_tokens(const torch::Tensor& logits) {
     }
     for (int64_t r = 0; r < count; ++r) {
       // A NaN: whatever torch.max makes of it (it is not a case worth a path of its own).
-      if (nan_rows[r]) tokens[r] = std::get<1>(rows[r].max(0)).item<int64_t>();
+      if (nan_rows[r]) tokens[r] = choice_of_nan_row(rows[r]);
     }
   });
   return tokens;
+}
+
+int64_t choice_of_nan_row(const at::Tensor& row) { return std::get<1>(row.max(0)).item<int64_t>(); }
+
+at::Tensor GreedyChoices::finish(const at::Tensor& stored) {
+  if (overflow_.load(std::memory_order_relaxed)) return at::Tensor();
+  PAGECLI_DISPATCH(stored.scalar_type(), "greedy_choices", [&] {
+    for (int64_t slot = 0; slot < slots_; ++slot) {
+      const Tile& last = pending_[slot];
+      if (last.rows) fold(static_cast<const scalar_t*>(last.y), last, best_.data() + slot * stride_);
+    }
+  });
+  at::Tensor choices = at::empty({rows_}, stored.options().dtype(at::kLong));  // [rows]
+  int64_t* out = choices.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows_; ++r) {
+    Best merged;
+    for (int64_t slot = 0; slot < slots_; ++slot) {
+      if (!used_[slot]) continue;
+      const Best& best = best_[slot * stride_ + r];
+      merged.nan |= best.nan;
+      if (best.index != Best{}.index) merged.take(best.value, best.index);
+    }
+    if (!merged.nan && merged.index == Best{}.index) return at::Tensor();  // no tile of this row was folded
+    out[r] = merged.nan ? choice_of_nan_row(stored[r]) : merged.index;
+  }
+  return choices;
 }
 
 }  // namespace pagecli

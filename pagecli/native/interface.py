@@ -18,6 +18,9 @@ class Product(Protocol):
     in_features: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+    # forward() of x [M, K] and each row's greedy choice int64 [M] taken as the kernel stores its tiles
+    # (greedy_choices.h), or None where it does not take them for this x.
+    def forward_choosing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class PanelProduct(Product, Protocol):

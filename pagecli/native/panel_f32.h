@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "gemm_bf16.h"
+#include "greedy_choices.h"
 #include "tile_rows.h"
 #include "work_share.h"
 
@@ -133,9 +134,11 @@ void for_panel_tiles(int64_t M, int64_t N, const TileFn& tile, PanelTiling tilin
 }
 
 #if PAGECLI_PANEL_F32
-// y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32 but the panels.
+// y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32 but the panels; each tile folded into `choices`
+// as it is stored, where given.
 template <typename Panels>
-void panel_product(const Panels& w, const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+void panel_product(const Panels& w, const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                   GreedyChoices* choices = nullptr) {
   using namespace panel_f32;
   for_panel_tiles(M, N, [&](int P, int64_t rows, int64_t panel, int64_t m0, int64_t cols) {
     const int64_t c0 = panel * kPanelF32Cols;
@@ -146,6 +149,7 @@ void panel_product(const Panels& w, const float* x, const float* bias, float* y,
     } else {
       with_rows_upto<kF32Tiling.row_block>(rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
     }
+    if (choices) choices->tile(t.y, N, m0, rows, c0, cols);
   });
 }
 

@@ -247,9 +247,11 @@ void tile_kernel512(const Pairs& w, const Tile& t) {
 
 // x [M, K] float32 (rows K apart) times the panels of `w` (+ bias [N] fp32) -> y [M, N] float32,
 // without a tensor allocated: the rounded rows go to the team's shared scratch inside a Team
-// (DecodeStep's forward_team), else to memory of this call's own.
+// (DecodeStep's forward_team), else to memory of this call's own. Each tile is folded into `choices`
+// as it is stored, where given.
 template <typename Pairs>
-void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, const float* bias, float* y, int64_t N) {
+void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, const float* bias, float* y, int64_t N,
+                          GreedyChoices* choices = nullptr) {
   using namespace panel_i16;
   if (M == 0) return;
   const int64_t bytes = Rows16::bytes(M, K);
@@ -273,6 +275,7 @@ void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, 
       } else {
         with_rows_upto<kI16Tiling512.row_block>(n_rows, [&](auto r) { tile_kernel512<decltype(r)::value, 1>(w, t); });
       }
+      if (choices) choices->tile(t.y, N, m0, n_rows, panel * kPanelF32Cols, cols);
     }, kI16Tiling512);
     return;
   }
@@ -281,6 +284,7 @@ void panel_product16_into(const Pairs& w, const float* x, int64_t M, int64_t K, 
     const Tile t = tile_at(panel, m0, cols);
     TORCH_CHECK(P == 1 && n_rows <= kI16Tiling.row_block, "panel product: no int16 tile of ", n_rows, " rows by ", P, " panels");
     with_rows_upto<kI16Tiling.row_block>(n_rows, [&](auto r) { tile_kernel<decltype(r)::value, 1>(w, t); });
+    if (choices) choices->tile(t.y, N, m0, n_rows, panel * kPanelF32Cols, cols);
   }, kI16Tiling);
 }
 #endif

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "greedy_choices.h"
 #include "panel_i16.h"
 #include "weight_memory.h"
 #include "work_share.h"
@@ -156,9 +157,10 @@ struct Panels {
 };
 
 at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const uint16_t* sp, const float* bp,
-                          int64_t N, int64_t K) {
+                          int64_t N, int64_t K, GreedyChoices* choices = nullptr) {
   const int64_t Kp = act_padded_k(K);
-  return run_vnni_product(x, N, Panels{packed.data_ptr<uint8_t>(), sp, bp, Kp / kActBlock, Kp / 4 * kQuadBytes});
+  return run_vnni_product(x, N, Panels{packed.data_ptr<uint8_t>(), sp, bp, Kp / kActBlock, Kp / 4 * kQuadBytes},
+                          choices);
 }
 #endif
 
@@ -283,7 +285,29 @@ at::Tensor PackedLinearInt8::forward(const at::Tensor& x) const {
 
 bool PackedLinearInt8::runs_into() const { return PAGECLI_INT8_AVX2 && !vnni_; }
 
-void PackedLinearInt8::forward_into(const at::Tensor& x, at::Tensor& y) const {
+void PackedLinearInt8::forward_into(const at::Tensor& x, at::Tensor& y) const { product16_into(x, y, nullptr); }
+
+std::tuple<at::Tensor, at::Tensor> PackedLinearInt8::forward_choosing(const at::Tensor& x) const {
+  if (x.dim() != 2 || !x.device().is_cpu() || x.size(1) != K_) return PackedProduct::forward_choosing(x);
+  const at::Tensor xc = x.contiguous();
+  GreedyChoices choices(xc.size(0));
+#if PAGECLI_INT8_VNNI
+  if (vnni_) {
+    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    at::Tensor y = product_avx512(xc, weights_, reinterpret_cast<const uint16_t*>(scale_.data_ptr<at::BFloat16>()), bp,
+                                  N_, K_, &choices);
+    return {y, choices.finish(y)};
+  }
+#endif
+  if (runs_into() && xc.scalar_type() == at::kFloat) {
+    at::Tensor y = at::empty({xc.size(0), N_}, xc.options());  // [M, N]
+    product16_into(xc, y, &choices);
+    return {y, choices.finish(y)};
+  }
+  return PackedProduct::forward_choosing(x);  // another dtype: forward() rounds the float32 outputs to it
+}
+
+void PackedLinearInt8::product16_into(const at::Tensor& x, at::Tensor& y, GreedyChoices* choices) const {
 #if PAGECLI_INT8_AVX2
   if (!vnni_) {
     const uint16_t* sp = static_cast<const uint16_t*>(scale_.data_ptr());
@@ -293,9 +317,11 @@ void PackedLinearInt8::forward_into(const at::Tensor& x, at::Tensor& y) const {
     float* yp = y.data_ptr<float>();
     const int64_t M = x.size(0);
     if (q8_0_) {
-      panel_product16_into(Int8Pairs<kQ8Block, true>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_);
+      panel_product16_into(Int8Pairs<kQ8Block, true>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_,
+                           choices);
     } else {
-      panel_product16_into(Int8Pairs<kActBlock, false>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_);
+      panel_product16_into(Int8Pairs<kActBlock, false>{wp, sp, weights_.size(1), scale_.size(1)}, xp, M, K_, bp, yp, N_,
+                           choices);
     }
     return;
   }

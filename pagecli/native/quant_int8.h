@@ -9,8 +9,11 @@
 #include "gemm_bf16.h"
 
 #include <cstdint>
+#include <tuple>
 
 namespace pagecli {
+
+class GreedyChoices;
 
 // One Linear's weight quantized to int8 at load: q [N, K] int8 and scale [N, ceil(K / 64)] bf16 with
 // w[n, k] ~= q[n, k] * scale[n, k / 64] (pagecli.models.quantize makes them), and the bias.
@@ -41,6 +44,9 @@ class PackedLinearInt8 : public PackedProduct {
   bool runs_into() const override;
   at::ScalarType into_dtype() const override { return at::kFloat; }
   void forward_into(const at::Tensor& x, at::Tensor& y) const override;
+  // x [M, K] on the VNNI kernel (any float dtype), or float32 on the AVX2 one: the choices over the
+  // outputs as stored.
+  std::tuple<at::Tensor, at::Tensor> forward_choosing(const at::Tensor& x) const override;
 
   const at::Tensor& weights() const { return weights_; }  // the packed (or row-layout) int8 weights
   int64_t out_features() const override { return N_; }
@@ -49,6 +55,9 @@ class PackedLinearInt8 : public PackedProduct {
   const char* kind() const;  // the kernel this layer runs: "avx512_vnni" or "avx2"
 
  private:
+  // forward_into on the AVX2 kernel, each tile folded into choices where given.
+  void product16_into(const at::Tensor& x, at::Tensor& y, GreedyChoices* choices) const;
+
   at::Tensor weights_;  // uint8 packed panels (AVX512-VNNI) or int8 [ceil(N / 16), Kp / 2, 32] pair panels (AVX2)
   at::Tensor scale_;    // bf16 [ceil(N / 48), Kp / 64, 48] (AVX512-VNNI) or [ceil(N / 16), Kp / 64, 16] (AVX2), zero past N
   at::Tensor bias_;     // [ceil(N / 48) * 48] fp32, zero past N; undefined without bias

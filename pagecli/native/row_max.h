@@ -1,5 +1,6 @@
-// The largest value of a row of logits and whether it holds a NaN, in one vectorized pass: the greedy
-// kernel's argmax (greedy.cpp) and the sampler's weights (sampling.cpp) both start from it.
+// The largest value of a row of logits and whether it holds a NaN, in one vectorized pass, and the first
+// index of a value: the greedy choice (greedy.cpp, greedy_choices.h) and the sampler's weights (sampling.cpp)
+// start from them.
 
 #pragma once
 
@@ -58,6 +59,31 @@ inline float max_of_row(const scalar_t* row, int64_t n, bool& has_nan) {
     }
   }
   return best;
+}
+
+// The first index of `value` in row[0, n) (present: max_of_row found it there; 0 if not).
+template <typename scalar_t>
+inline int64_t first_index_of(const scalar_t* row, int64_t n, float value) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(value);
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m256 target = _mm256_set1_ps(value);
+    for (; i + 8 <= n; i += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
+      if (hit) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (to_float(row[i]) == value) return i;
+  }
+  return 0;
 }
 
 }  // namespace pagecli
