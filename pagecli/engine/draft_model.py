@@ -136,14 +136,15 @@ class DraftModel:
     def _next_token(self, mirror: Sequence) -> int | None:
         """Compute the mirror's uncomputed tokens (chunks of at most max_num_batched_tokens) and return the greedy
         token after them; None where the pool cannot hold them."""
-        logits = None
+        logits = choices = None
         while mirror.num_uncomputed_tokens:
             num_new = min(mirror.num_uncomputed_tokens, self.chunk_tokens)
             if not self.kv.allocate_slots(mirror, num_new):
                 return None
-            logits = self.runner.execute([ScheduledSeq(mirror, num_new)])  # [1 on the last chunk, vocab]
+            # [1 on the last chunk, vocab], and its greedy choice where the output layer takes it
+            logits, choices = self.runner.execute([ScheduledSeq(mirror, num_new)], greedy=True)
             mirror.num_computed_tokens += num_new
-        return sample(logits, [mirror], self.engine._sampling_ops)[0]
+        return sample(logits, [mirror], self.engine._sampling_ops, choices)[0]
 
     def forget(self, seq: Sequence) -> None:
         """Free seq's mirror, if it has one."""
