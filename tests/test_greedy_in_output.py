@@ -141,7 +141,10 @@ def run_engine(folder, dtype: str, requests, monkeypatch, in_output: bool):
     from pagecli.config import EngineConfig
     from pagecli.engine import Engine
 
+    from pagecli.engine import engine as engine_module
+
     monkeypatch.setenv("PAGECLI_GREEDY_IN_OUTPUT", "1" if in_output else "0")
+    monkeypatch.setattr(engine_module, "GREEDY_IN_OUTPUT_MIN_ROWS", 1)  # this batch's few rows take it too
     engine = Engine(str(folder), EngineConfig(dtype=dtype, device="cpu", quantize="none", disk_cache=False,
                                               num_blocks=128))
     kernels = native.cpu_ops()
@@ -191,3 +194,28 @@ def test_the_engine_takes_the_output_layers_choices_and_its_tokens_do_not_change
     assert not any(given_off) and passes_off
     assert sum(given) > len(given) // 2  # the steps of the batch (every one here)
     assert 0 < len(passes) < len(passes_off) - 3  # the steps with the penalised row, or rows forked, only
+
+
+def test_a_step_of_few_rows_or_with_drafts_does_not_ask_the_output_layer_for_choices(tiny_model_factory):
+    """Below GREEDY_IN_OUTPUT_MIN_ROWS the product and greedy_tokens' pass are the faster way, and a checking
+    step's rows are re-indexed by verify: neither asks for the choices."""
+    from pagecli.config import EngineConfig, SamplingParams
+    from pagecli.engine import Engine
+    from pagecli.engine.engine import GREEDY_IN_OUTPUT_MIN_ROWS
+
+    folder = tiny_model_factory("llama")
+    asked = []
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with threads(1), Engine(str(folder), EngineConfig(dtype="float32", quantize="none", disk_cache=False,
+                                                      num_blocks=256, speculate="ngram")) as engine:
+        execute = engine.runner.execute
+
+        def spy(scheduled, greedy=False):
+            asked.append((sum(1 for item in scheduled if item.samples), greedy))
+            return execute(scheduled, greedy)
+
+        engine.runner.execute = spy
+        engine.generate(["one two three one two three one two three one two"], greedy)  # drafts: few rows
+        engine.generate([f"request {i}" for i in range(GREEDY_IN_OUTPUT_MIN_ROWS)], greedy)  # a batch of 16
+    assert not any(wanted for rows, wanted in asked if rows < GREEDY_IN_OUTPUT_MIN_ROWS)
+    assert any(wanted for rows, wanted in asked if rows >= GREEDY_IN_OUTPUT_MIN_ROWS)

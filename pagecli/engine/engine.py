@@ -59,6 +59,11 @@ from pagecli.store.files import resolve_store_dir
 from pagecli.store.tier import DiskTier
 
 Prompt = str | list[dict[str, Any]] | list[int]
+# The fewest logits rows for which the output layer takes the greedy choice as it writes them: at the embedded
+# model's width (576), one thread, AMD EPYC Zen 5, it is 9-12% slower than the product and greedy_tokens' pass at 4
+# rows (float and bf16 panels), even at 1, and 0-5% faster from 16 rows (scripts/bench_greedy_in_output.py,
+# docs/benchmarks/host-time.md).
+GREEDY_IN_OUTPUT_MIN_ROWS = 16
 _END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
@@ -406,9 +411,11 @@ class Engine:
         timed_rows = self.speculator.timed_rows(plan.scheduled) if self.speculator else None
         started = time.perf_counter()
         # The rows' greedy choices from the output layer where it takes them, for the rows sample() would scan
-        # (greedy or constrained ones); kept only while the logits are the step's own rows, unreordered.
-        wants_greedy = self._sampling_ops is not None and any(seq.sampling.greedy or seq.grammar is not None
-                                                              for seq in sampled)
+        # (greedy or constrained ones); kept only while the logits are the step's own rows, unreordered: not
+        # asked for a step with drafts (verify re-indexes its rows), nor below GREEDY_IN_OUTPUT_MIN_ROWS.
+        wants_greedy = (self._sampling_ops is not None and len(sampled) >= GREEDY_IN_OUTPUT_MIN_ROWS
+                        and not any(seq.num_draft for seq in sampled)
+                        and any(seq.sampling.greedy or seq.grammar is not None for seq in sampled))
         step_logits, greedy_choices = self.runner.execute(plan.scheduled, wants_greedy)
         logits = step_logits
         yielded: dict[int, list[int]] = {}
