@@ -12,15 +12,7 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.ngram_proposer import NgramIndex
 from pagecli.models.loader import load_model
-
-# Prompts that repeat themselves, so a random model's greedy output (which loops) and lookup meet.
-PROMPTS = [
-    "one two three four five six seven one two three four five six seven one two three",
-    "Paged attention keeps the KV cache in fixed-size blocks. " * 4,
-    "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n" * 2,
-    "fox",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+from speculation_prompts import GREEDY, PROMPTS
 
 
 def make_engine(folder, **config) -> Engine:
@@ -218,6 +210,24 @@ def test_the_draft_count_maximises_expected_tokens_per_step_cost():
         jump.observe(rows, seconds)
     assert abs(jump.value - 0.1) < 1e-9 and abs(jump.pass_cost - 0.22) < 1e-9
     assert RowCost(0.05, measure=False).value == 0.05
+
+
+def test_a_sequence_drafts_at_most_four_until_a_pass_accepts_all_then_its_cap_doubles_up_to_k():
+    from pagecli.engine.draft_budget import FIRST_CAP, DraftBudget
+
+    budget = DraftBudget()
+    for _ in range(10):  # copying for sure: the estimate near 1
+        budget.after_pass(1, 1)
+    budget.cap = FIRST_CAP
+    assert budget.length(0.05, 8) == FIRST_CAP  # K = 8, the sequence's own cap first
+    budget.after_pass(FIRST_CAP, FIRST_CAP)  # all of its cap accepted
+    assert budget.length(0.05, 8) == 8
+    budget.after_pass(8, 8)
+    assert budget.length(0.05, 8) == 8  # K bounds it
+    budget.after_pass(3, 8)  # a rejection: back to the first cap
+    assert budget.cap == FIRST_CAP
+    budget.after_pass(2, 2)  # all accepted but fewer than the cap: no doubling
+    assert budget.cap == FIRST_CAP
 
 
 def test_no_drafts_while_more_sequences_run_than_speculate_max_batch(tiny_model_factory):

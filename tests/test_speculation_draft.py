@@ -18,14 +18,7 @@ from pagecli.engine.draft_budget import (MAX_PROBE_EVERY, PROBE_DRAFTS, DraftBud
                                          draft_step_share)
 from pagecli.errors import PagecliError
 from pagecli.models.loader import load_model
-
-PROMPTS = [
-    "one two three four five six seven one two three four five six seven one two three",
-    "Paged attention keeps the KV cache in fixed-size blocks. " * 4,
-    "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n" * 2,
-    "fox",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+from speculation_prompts import GREEDY, PROMPTS
 
 
 @pytest.fixture(autouse=True)

@@ -113,7 +113,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "--draft-quantize", help="--quantize for the draft model (default auto: its own default).",
         metavar="KIND")),
     Flag("num_speculative_tokens", "num_speculative_tokens", Optional[int], _opt(
-        "--num-speculative-tokens", help="Draft tokens checked per step with --speculate (default 4).", metavar="K")),
+        "--num-speculative-tokens", help="The most draft tokens checked per step with --speculate (default 8; a "
+                                         "sequence starts at 4 and doubles after a pass that accepts them all).",
+        metavar="K")),
     Flag("lora", "loras", Optional[list[str]], _opt(
         "--lora", help="A LoRA adapter a request may run, as NAME=PATH (a PEFT adapter folder, or a GGUF LoRA "
                        "file from llama.cpp's convert_lora_to_gguf.py); repeatable. "

@@ -94,7 +94,7 @@ class EngineConfig:
     speculate: str = "auto"
     draft_model: str | None = None  # speculate="draft"'s model: a folder, a GGUF file or a name, as the main model
     draft_quantize: str = "auto"  # the draft model's --quantize (its own default unless told)
-    num_speculative_tokens: int = 4  # drafts checked per step and sequence
+    num_speculative_tokens: int = 8  # the most drafts checked per step and sequence (each starts at 4: draft_budget)
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
     # Drafts only while at most this many sequences run: a draft's row costs about what a sequence's row
     # does, so in a batch the rows added cost more than the steps saved (docs/benchmarks/speculation.md).

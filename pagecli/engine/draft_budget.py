@@ -32,6 +32,12 @@ MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.6
 PASS_COST = 0.12  # c before a CPU engine has timed checking passes of two row counts (module docstring)
 MAX_PASS_COST = 0.3  # with MAX_ROW_COST: one draft copied for sure still clears HURDLE (2 / 1.9)
 HURDLE = 1.05  # drafts only where the estimates put a pass's tokens per cost this far above a plain step's
+# A sequence's own cap on d, below the engine's K: FIRST_CAP at first and after any pass that rejected a draft,
+# doubled after a pass that accepted every one of at least its cap (a copying stretch), up to K. A long pass
+# pays where the output copies for certain (editing: 1.88x at K = 8 against 1.66x at 4) and costs where an
+# acceptance estimate rose on a short run (sampled open text: 1.03x at a fixed 8 against 1.16x at 4,
+# docs/benchmarks/speculation.md).
+FIRST_CAP = 4
 # A draft model (engine/draft_model.py) adds its own steps to a pass: one per draft, as a share of a plain main
 # step, added to r. Before both are timed the share is taken as one half (a draft model is there to be cheaper).
 DRAFT_SHARE_PRIOR = 0.5
@@ -62,9 +68,10 @@ def best_length(acceptance: float, row_cost: float, limit: int, pass_cost: float
 class DraftBudget:
     """One sequence's acceptance estimate and its pending shadow draft."""
 
-    __slots__ = ("accepted", "drafts", "shadow_at", "shadow_token")
+    __slots__ = ("accepted", "cap", "drafts", "shadow_at", "shadow_token")
 
     def __init__(self) -> None:
+        self.cap = FIRST_CAP  # the most drafts this sequence takes next (FIRST_CAP's comment)
         self.accepted = PRIOR_ACCEPTED  # decayed count of drafts accepted
         self.drafts = PRIOR_DRAFTS  # decayed count of drafts whose fate was seen (accepted, or the first rejected)
         self.shadow_at = -1  # the token position a shadow draft guessed; -1: none pending
@@ -75,12 +82,17 @@ class DraftBudget:
         return self.accepted / self.drafts
 
     def length(self, row_cost: float, limit: int, pass_cost: float = PASS_COST) -> int:
-        return best_length(self.acceptance, row_cost, limit, pass_cost)
+        return best_length(self.acceptance, row_cost, min(limit, self.cap), pass_cost)
 
     def after_pass(self, accepted: int, drafted: int) -> None:
         """A pass checked `drafted` drafts and accepted the first `accepted`: those, and the first rejected
-        one, are observations; drafts after a rejection say nothing."""
+        one, are observations; drafts after a rejection say nothing. All of at least the cap accepted doubles
+        the cap; a rejection sets it back to FIRST_CAP."""
         self._observe(accepted, accepted + (1 if accepted < drafted else 0))
+        if accepted < drafted:
+            self.cap = FIRST_CAP
+        elif drafted >= self.cap:
+            self.cap *= 2
 
     def guess(self, position: int, token: int) -> None:
         """A shadow draft: `token` proposed for `position`, not checked by the model."""

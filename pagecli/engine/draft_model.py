@@ -120,8 +120,9 @@ class DraftModel:
                                                           self.context_len), seq.num_tokens)
             return mirror.seq
         own = mirror.seq
-        agree = min(mirror.known, own.num_computed_tokens)
         limit = min(own.num_computed_tokens, seq.num_tokens - 1)  # the last token is computed again for its logits
+        # (also when seq gained no token since the last sync: its drafts were cut by the token budget, say)
+        agree = min(mirror.known, limit)
         while agree < limit and own.token_ids[agree] == seq.token_ids[agree]:
             agree += 1
         own.num_computed_tokens = agree
