@@ -3,7 +3,8 @@
 
     .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
         [--workload edit|open] [--batch N] [--sampled] [--threads 2]
-        [--methods off,ngram,draft] [--model PATH] [--requests N] [--dtype D] [--quantize KIND] [--draft-model PATH] [--draft-quantize KIND]
+        [--methods off,ngram,draft] [--model PATH] [--requests N] [--dtype D] [--quantize KIND]
+        [--draft-model PATH] [--draft-quantize KIND]
     .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
 
 --workload open: 20 open-ended story requests instead (the issue's bound: speculation on costs at most 5%
@@ -109,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
-    draft_model = args.draft_model or str(resolve_model(None))
+    draft_model = args.draft_model or (str(resolve_model(None)) if "draft" in methods else None)
     common = {"disk_cache": False, "threads": args.threads, "quantize": args.quantize, "dtype": args.dtype}
     configs = {"off": EngineConfig(**common, speculate="off")} if "off" in methods else {}
     for k in (int(v) for v in args.k.split(",")):

@@ -413,13 +413,13 @@ class Engine:
         # The rows' greedy choices from the output layer where it takes them, for the rows sample() would scan
         # (greedy or constrained ones); kept only while the logits are the step's own rows, unreordered: not
         # asked for a step with drafts (verify re-indexes its rows), nor below GREEDY_IN_OUTPUT_MIN_ROWS.
-        wants_greedy = (self._sampling_ops is not None and len(sampled) >= GREEDY_IN_OUTPUT_MIN_ROWS
-                        and not any(seq.num_draft for seq in sampled)
+        drafting = self.speculator is not None and any(seq.num_draft for seq in sampled)
+        wants_greedy = (self._sampling_ops is not None and len(sampled) >= GREEDY_IN_OUTPUT_MIN_ROWS and not drafting
                         and any(seq.sampling.greedy or seq.grammar is not None for seq in sampled))
         step_logits, greedy_choices = self.runner.execute(plan.scheduled, wants_greedy)
         logits = step_logits
         yielded: dict[int, list[int]] = {}
-        if self.speculator and any(seq.num_draft for seq in sampled):
+        if drafting:
             sampled, logits, yielded = self.speculator.verify(sampled, logits, self._sampling_ops)
         block_size = self.kv.block_size
         for item in plan.scheduled:
