@@ -231,10 +231,10 @@ def test_which_tensors_stay_in_the_file():
 
 def test_float_products_left_over_run_on_the_float_panels(tmp_path):
     """A file whose decoder mixes blocks with another type (as Q4_K_M files do: here one ffn_down in Q6_K) and
-    keeps its output layer in Q6_K, run on its blocks in float32: the products that are not blocks run on the
-    float panels, as a float32 model's do, not on PyTorch's float32 GEMM (which sums a few rows otherwise
-    than many, so a row's logits depended on its batch), and a prompt's tokens are the same alone or beside
-    another."""
+    keeps its output layer in Q6_K, run on its blocks in float32: the decoder products that are not blocks run
+    on the float panels, as a float32 model's do, not on PyTorch's float32 GEMM (which sums a few rows
+    otherwise than many, so a row's logits depended on its batch); the output layer the file rounded runs on
+    int8 blocks (WeightPlan.output); and a prompt's tokens are the same alone or beside another."""
     path = tmp_path / "mixed.Q4_0.gguf"
     write_random_gguf(path, "tiny", "Q4_0", {"blk.0.ffn_down.weight": "Q6_K"})
     config = EngineConfig(dtype="float32", device="cpu", disk_cache=False, num_blocks=64)
@@ -245,7 +245,33 @@ def test_float_products_left_over_run_on_the_float_panels(tmp_path):
         layers = model.model.layers
         assert type(layers[0].mlp.down_proj.packed).__name__ == "F32PanelLinear"
         assert type(layers[1].mlp.down_proj.packed).__name__ == "PackedLinearInt4"
-        assert type(model.output_packed).__name__ == "F32PanelLinear"
+        assert engine.plan.output == "int8" and type(model.output_packed).__name__ == "PackedLinearInt8"
         together = [list(out.token_ids) for out in engine.generate(PROMPTS, GREEDY)]
         alone = [list(engine.generate([prompt], GREEDY)[0].token_ids) for prompt in PROMPTS]
     assert together == alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_q6_k_output_layer_runs_on_int8_blocks_close_to_its_own_values(tmp_path, dtype):
+    """llama-quantize's Q6_K output layer requantized to int8 blocks of 64 (1.06 bytes a weight where the float
+    panels read 2 or 4): its logits stay within 1% of the largest from the file's own Q6_K values (2% where
+    the activations are rounded to int8 too, as every product of a bf16 model on the VNNI kernels rounds them)."""
+    import torch
+    from gguf import GGUFReader, dequantize
+
+    path = tmp_path / "random.Q4_0.gguf"
+    write_random_gguf(path, "tiny", "Q4_0")
+    config = EngineConfig(dtype=dtype, device="cpu", disk_cache=False, num_blocks=64, quantize="gguf")
+    with Engine(str(path), config) as engine:
+        if not engine.plan.int8_native:
+            pytest.skip("no native int8 kernel here")
+        model = engine.loaded.model
+        assert engine.plan.output == "int8" and model.output_packed is not None
+        output = next(tensor for tensor in GGUFReader(path).tensors if tensor.name == "output.weight")
+        weight = torch.from_numpy(dequantize(output.data, output.tensor_type).copy()).float()  # [vocab, hidden]
+        hidden = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        got = model.compute_logits(hidden.to(engine.plan.dtype))
+        expected = hidden @ weight.T
+    err = (got.float() - expected).abs().max() / expected.abs().max()
+    bound = 0.01 if dtype == "float32" else 0.02  # bf16 activations rounded to int8 per 64 on VNNI (0.0099 on Zen 4)
+    assert err < bound, f"int8 output layer off by {err:.4f} of the largest logit"

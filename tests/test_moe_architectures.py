@@ -41,7 +41,7 @@ def test_logits_match_transformers_after_prefill_and_each_decode(arch, level, at
     at_level(level)
     folder = tiny_model_factory(arch)
     engine = engine_for(folder)
-    assert not engine.plan.decode_step  # the one-call native decode step has no experts
+    assert engine.plan.decode_step == (level != "torch")  # the one-call native decode step runs the experts
     logits = recorded_logits(engine)
     [out] = engine.generate([PROMPT], GREEDY)
     prompt_ids = engine.encode(PROMPT)
@@ -92,6 +92,9 @@ def test_a_decode_token_runs_only_its_chosen_experts_once_each(tiny_model_factor
     """A prefill of n tokens runs each chosen expert once, on its whole group (the groups' rows add up to
     n * top_k); then each decode step runs exactly top_k experts (2 of 8) per MoE layer, on one row each."""
     engine = engine_for(tiny_model_factory("olmoe"), enable_prefix_caching=False)
+    # Counted in the Python layer loop; the one-call decode step's experts (moe_experts.h) run the same
+    # routing and grouping, bit for bit (tests/test_native_ops.py).
+    engine.loaded.model.decode_step = None
     calls = _count_expert_calls(engine.loaded.model)
     prompt_ids = engine.encode(PROMPT)
     engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -198,7 +201,7 @@ def test_qwen3_moe_layers_follow_mlp_only_layers_and_decoder_sparse_step(tiny_mo
 
     spec = DecoderSpec.from_hf_config(tiny_config("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2,
                                                   mlp_only_layers=[3]))
-    assert spec.moe_layers == (False, True, False, False) and not spec.llama_shaped
+    assert spec.moe_layers == (False, True, False, False) and spec.one_call_shaped
     model = load_model(tiny_model_factory("qwen3_moe"), "float32", "cpu", max_positions=64).model
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["SparseMoE", "GatedMLP", "SparseMoE"]
 

@@ -569,6 +569,25 @@ def test_the_decode_step_in_cpp_matches_the_python_layer_loop_bit_for_bit(tiny_m
         assert_decode_step_matches_the_layer_loop(model, backend, caches, rows, gen)
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe", "mixtral"])  # q/k norms over the projection, per head, none
+@pytest.mark.parametrize(("dtype", "quantize"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
+                                                 ("float32", "int4")])
+@pytest.mark.parametrize("rows", [1, 5])  # one token's k experts in expert order; five rows grouped by expert
+def test_the_decode_step_runs_a_mixture_of_experts_as_the_python_layer_loop_does(tiny_model_factory, arch, dtype,
+                                                                                  quantize, rows):
+    # The router, the top k and each chosen expert's products in C++ (moe_experts.h), the same tensor ops
+    # in the same order as SparseMoE.forward: equal bits, with the experts in floats or quantized.
+    config = EngineConfig(dtype=dtype, disk_cache=False, block_size=4, num_blocks=64, quantize=quantize)
+    with Engine(str(tiny_model_factory(arch)), config) as engine:
+        model, backend, runner = engine.loaded.model, engine.backend, engine.runner
+        if backend.cpu_ops is None:
+            pytest.skip("no native kernels: the Python layer loop runs")
+        assert model.decode_step is not None and not model.decode_step.runs_as_team(rows)
+        gen = torch.Generator().manual_seed(rows)
+        caches = torch.randn(runner.kv_caches.shape, generator=gen).to(runner.kv_caches.dtype)
+        assert_decode_step_matches_the_layer_loop(model, backend, caches, rows, gen)
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 @pytest.mark.parametrize(("arch", "rows"), [("llama", 1), ("qwen3", 5)])
 @pytest.mark.parametrize(("dtype", "quantize"), [("bfloat16", "none"), ("float32", "none"), ("float32", "int8"),

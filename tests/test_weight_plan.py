@@ -81,6 +81,22 @@ def test_quantized_forms_round_activations_by_dtype_and_fall_back_to_pytorch_wit
     assert [avx2_gguf.gguf_form(t) for t in ("Q4_0", "Q4_1", "Q8_0", "Q6_K")] == ["int4", "int4", "int8", "float"]
 
 
+@pytest.mark.parametrize(("dtype", "ops", "file_output", "expected"), [
+    (torch.bfloat16, kernels("avx512_vnni"), "Q6_K", "int8"),  # llama-quantize's Q4_0 files: 1.06 bytes a weight, not 2
+    (torch.float32, kernels(), "Q6_K", "int8"),  # int16 activations on the AVX2 kernel, not 4-byte panels
+    (torch.bfloat16, kernels("avx512_vnni"), "Q8_0", "int8"),  # requantized, as the decoder's Q8_0 matrices are
+    (torch.float32, kernels(), "Q8_0", "gguf"),  # as it lies
+    (torch.bfloat16, kernels("avx512_vnni"), "F16", "float"),  # a float type keeps its floats
+    (torch.bfloat16, kernels("avx512_vnni"), None, "float"),  # a tied table (the file has no output.weight)
+    (torch.float32, None, "Q6_K", "float"),  # no native int8 kernel: PyTorch's floats
+])
+def test_a_gguf_files_own_rounded_output_layer_runs_on_int8_blocks(dtype, ops, file_output, expected):
+    plan = plan_weights(dtype, CPU, "gguf", ops, Q4_1_FILE, gguf_output=file_output)
+    assert plan.output == expected
+    if expected == "int8":
+        assert "output layer: int8" in plan.describe()
+
+
 def test_what_cannot_run_is_refused_in_one_sentence():
     with pytest.raises(PagecliError, match="CPU only"):
         plan_weights(torch.bfloat16, torch.device("cuda"), "int4", None)

@@ -66,6 +66,19 @@ def tensor_types(gguf_path: Path, folder: Path | None = None) -> dict[str, int]:
     return counts
 
 
+def output_type(gguf_path: Path, folder: Path | None = None) -> str | None:
+    """The GGUF type of the file's own output layer (output.weight), None where it has none (a tied table)."""
+    from pagecli.models.gguf_index import tensor_entries
+
+    entry = tensor_entries(gguf_path, folder).get("output.weight")
+    return None if entry is None else type_name_of(entry[0])
+
+
+def quantized_type(type_name: str) -> bool:
+    """Whether a GGUF type is a quantized one (its maker chose to round those weights), not a float type."""
+    return type_name not in _FLOAT_TYPES
+
+
 def type_name_of(kind: int) -> str:
     """GGML's name for a tensor type id (gguf.GGMLQuantizationType's), the common ones without importing
     gguf and numpy (0.2 s of `pagecli models`)."""

@@ -98,12 +98,12 @@ class DecoderSpec:
         return self.attn_softcap is not None or any(window is not None for window in self.layer_windows)
 
     @property
-    def llama_shaped(self) -> bool:
-        """Whether every layer is the Llama shape that pagecli.native's one-call DecodeStep runs: SwiGLU, one
-        norm before each block, full rotary, plain attention, per-head q/k norms, one dense MLP (the embedding
-        and logits are outside it)."""
+    def one_call_shaped(self) -> bool:
+        """Whether every layer is a shape that pagecli.native's one-call DecodeStep runs: SwiGLU, one norm
+        before each block, full rotary, plain attention, q/k norms over each head or the whole projection,
+        a dense MLP or a mixture of experts (the embedding and logits are outside it)."""
         return (self.hidden_act == "silu" and not self.masked_attention and not self.sandwich_norms
-                and not self.local_rope and self.rotary_dim is None and not self.moe and self.qk_norm_per_head)
+                and not self.local_rope and self.rotary_dim is None)
 
     def layer_window(self, index: int) -> int | None:
         return self.layer_windows[index] if self.layer_windows else None

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagecli.models.decoder import CausalLM, DecoderLayer
 from pagecli.models.layers import GatedMLP, Linear, RMSNorm
+from pagecli.models.moe import SparseMoE
 from pagecli.models.lora import ATTENTION_PRODUCTS, LoraAdapter, LowRank
 from pagecli.models.quantize import Int8Reference, int8_product, quantize_int8
 from pagecli.models.quantize_int4 import Int4Reference, int4_product, quantize_int4
@@ -188,7 +189,8 @@ class WeightPlacer:
     def _gguf_output(self, model: CausalLM) -> str:
         """--quantize gguf: the output layer on the file's Q8_0 blocks as they lie, as llama.cpp reads them
         (SmolLM2-135M's tied table: 30 MB instead of 113 MB of float32 a decode step); other types, or
-        where Q8_0 cannot run as it lies, keep the floats: then the form the floats take."""
+        where Q8_0 cannot run as it lies, keep the floats: then the form the floats take (an output layer
+        of the file's own in a quantized type is int8 in the plan: WeightPlan.output)."""
         from pagecli.models import gguf_blocks
 
         parts = self._gguf_output_parts if self._gguf_output_parts is not None else self._gguf_blocks(model).output()
@@ -274,12 +276,16 @@ class WeightPlacer:
         products = [_packed_products(layer) for layer in layers]
         if any(isinstance(p, (Int8Reference, Int4Reference)) for layer in products for p in layer):
             return None
+        moe = [_moe_experts(self.ops, layer) for layer in layers]
+        if any(m is False for m in moe):
+            return None  # an expert's product in row layout: the Python loop runs it
         spec = model.spec
         return self.ops.DecodeStep(
             [_layer_tensors(layer) for layer in layers],
             products if any(p is not None for layer in products for p in layer) else [],
             model.model.norm.weight, model.rotary.cos, model.rotary.sin, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.rms_norm_eps, layers[0].self_attn.scale, self.plan.decode_team,
+            moe if any(m is not None for m in moe) else [], spec.qk_norm and not spec.qk_norm_per_head,
         )
 
 
@@ -343,17 +349,37 @@ def _stream_weights_from_large_pages(model: CausalLM, ops: CpuOps) -> None:
 
 def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor | None]:
     """One layer's tensors in the order DecodeStep takes them (decode_step.h); a packed product's weight
-    is None (DecodeStep then takes its _packed_products)."""
+    is None (DecodeStep then takes its _packed_products), as are a mixture of experts' gate_up and down."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm = attn.q_norm.weight if attn.qk_norm else None
     k_norm = attn.k_norm.weight if attn.qk_norm else None
+    dense = not isinstance(mlp, SparseMoE)
     return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
             attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
+            mlp.gate_up_proj.weight if dense else None, mlp.gate_up_proj.bias if dense else None,
+            mlp.down_proj.weight if dense else None, mlp.down_proj.bias if dense else None]
 
 
 def _packed_products(layer: DecoderLayer) -> list[Any]:
     """One layer's products (None where the weight is in row layout) in DecodeStep's order: qkv, o,
-    gate_up, down."""
+    gate_up, down (None, None for a mixture of experts: _moe_experts)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoE):
+        return [attn.qkv_proj.packed, attn.o_proj.packed, None, None]
     return [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+
+
+def _moe_experts(ops: CpuOps, layer: DecoderLayer) -> Any:
+    """The layer's mixture of experts for DecodeStep (pagecli.native's MoeExperts); None for a dense layer,
+    False where an expert's product is not packed (or runs in PyTorch): the Python loop runs those."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoE):
+        return None
+    gate_up = [expert.gate_up_proj.packed for expert in mlp.experts]
+    down = [expert.down_proj.packed for expert in mlp.experts]
+    native = (ops.PackedLinear, ops.F32PanelLinear, ops.PackedLinearInt8, ops.PackedLinearInt4)
+    if not all(isinstance(p, native) for p in gate_up + down) or mlp.experts[0].activation != "silu":
+        return False
+    router = mlp.gate  # bias-free (moe.Router)
+    return ops.MoeExperts(router.packed, router.weight if router.packed is None else None, gate_up, down,
+                          mlp.top_k, mlp.norm_topk_prob)

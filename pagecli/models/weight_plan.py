@@ -22,7 +22,7 @@ The forms (FORMS below says each in words):
 
 A mixture of experts' experts are Linears like any other and take the decoder's form; its router keeps
 the model's floats under a quantized form (a Linear that `keeps_floats`: rounding it could pick other
-experts), and the one-call decode step is off (not `llama_shaped`).
+experts); the one-call decode step runs its router and experts (pagecli/native/moe_experts.h).
 
 Adding a weight form: a name in FORMS, its choice here, its product in weight_forms.py. Neither the
 engine nor the model changes (docs/ARCHITECTURE.md lists the files).
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from pagecli.errors import PagecliError
-from pagecli.models.gguf_files import AS_IS_TYPES
+from pagecli.models.gguf_files import AS_IS_TYPES, quantized_type
 from pagecli.native.interface import CpuOps
 
 FORMS = {
@@ -162,12 +162,14 @@ class WeightPlan:
 
 
 def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None,
-                 gguf_types: Mapping[str, int] | None = None, llama_shaped: bool = True) -> WeightPlan:
+                 gguf_types: Mapping[str, int] | None = None, one_call_shaped: bool = True,
+                 gguf_output: str | None = None) -> WeightPlan:
     """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
     kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for
-    a model converted from a .gguf file (gguf_files.tensor_types), else None; llama_shaped: whether the architecture's layers are the ones the
-    one-call decode step runs (DecoderSpec.llama_shaped: not Gemma's soft-capping, sliding layers, norms
-    after each block and GeGLU, nor partial rotary). Refuses --quantize off the CPU, and gguf for another model."""
+    a model converted from a .gguf file (gguf_files.tensor_types), else None; one_call_shaped: whether the architecture's layers are the ones the
+    one-call decode step runs (DecoderSpec.one_call_shaped: not Gemma's soft-capping, sliding layers, norms
+    after each block and GeGLU, nor partial rotary); gguf_output: the GGUF type of the file's own output layer
+    (gguf_files.output_type: None for a tied table). Refuses --quantize off the CPU, and gguf for another model."""
     if quantize not in ("auto", "none", *QUANTIZED):
         raise PagecliError(f"--quantize must be auto, none, int8, int4 or gguf (got '{quantize}').")
     if quantize in QUANTIZED and device.type != "cpu":
@@ -185,8 +187,15 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     decoder = float_form if resolved == "none" else resolved
     if resolved in ("int8", "int4"):
         output = "int8"  # as llama.cpp's quantized files keep theirs (Q8_0, Q6_K)
+    elif resolved == "gguf" and gguf_output == "Q8_0" and q8_0_as_is:
+        output = "gguf"  # its blocks as they lie
+    elif resolved == "gguf" and gguf_output is not None and quantized_type(gguf_output) and int8_native:
+        # An output layer its maker rounded (llama-quantize's Q6_K, or Q8_0 where the VNNI kernel runs):
+        # int8 blocks of 64 from its values read 1.06 bytes a weight, the float panels 2 or 4 (OLMoE-1B-7B's
+        # shape: 104 MB a token against 201 in bf16; the loss in docs/benchmarks/gguf-perplexity.md).
+        output = "int8"
     elif resolved == "gguf":
-        output = "gguf" if q8_0_as_is else float_form
+        output = "gguf" if q8_0_as_is else float_form  # a tied table: Q8_0 as it lies, else the floats
     else:
         output = float_form
     # The kernels each quantize needs (the output layer of int4 runs int8); without them a product runs in PyTorch.
@@ -197,7 +206,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
         native=ops is not None, int8_native=int8_native, int4_native=int4_native, int16_activations=int16,
         q8_0_as_is=q8_0_as_is, floats=float_form,
         row_kernel=ops is not None and dtype == torch.bfloat16,
-        decode_step=ops is not None and not in_pytorch and llama_shaped, decode_team=decode_team_wanted(),
+        decode_step=ops is not None and not in_pytorch and one_call_shaped, decode_team=decode_team_wanted(),
         greedy_in_output=ops is not None and greedy_in_output_wanted(), why=why,
     )
 
@@ -272,4 +281,5 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
         if auto and dtype == torch.bfloat16 and blocks_choose_float32(quantize, device, ops, gguf_types, one_stream):
             dtype = torch.float32
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
-    return plan_weights(dtype, device, quantize, ops, gguf_types, spec.llama_shaped)
+    output = gguf_files.output_type(source, folder) if gguf_types else None
+    return plan_weights(dtype, device, quantize, ops, gguf_types, spec.one_call_shaped, output)

@@ -57,6 +57,7 @@ _SOURCES = tuple(_HERE / name for name in (
     "sampling.cpp",           # a drawn token per logits row: temperature, top-k, top-p, min-p without a sort
     "weight_memory.cpp",      # the weights decode streams, in 2 MB pages
     "decode_step.cpp",        # DecodeStep: a decode-only step's layer loop
+    "moe_experts.cpp",        # MoeExperts: a mixture of experts' MLP in DecodeStep
     "lora_add.cpp",           # LoRA adapters' low-rank adds over a step's rows, grouped by adapter
     "work_share.cpp",         # the tests' probe of work_share.h (threads taking over unstarted work)
     "read_probe.cpp",         # a plain read loop: the memory's read bandwidth, decode's ceiling
@@ -65,6 +66,7 @@ _HEADERS = tuple(_HERE / name for name in (
     "simd.h", "attention_common.h", "cpu_ops.h", "gemm_bf16.h", "float_panels.h", "panel_f32.h", "quant_int8.h",
     "quant_int4.h", "panel_i16.h", "decode_step.h", "kv_quant.h", "decode_tiles.h", "decode_attention_int8.h", "act_quant.h",
     "work_share.h", "read_probe.h", "weight_memory.h", "row_max.h", "greedy_choices.h", "lora_add.h", "tile_rows.h",
+    "moe_experts.h",
 ))
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 _BUILT_STAMP = ".built"  # beside a complete library only: removed when a build starts, written when it ends

@@ -102,9 +102,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if PAGECLI_HAVE_AMX
   m.def("linear_bf16_amx", &pagecli::linear_bf16_amx, "bf16 linear on AMX tiles (K % 32 == 0, N % 16 == 0)");
 #endif
+  pybind11::class_<pagecli::MoeExperts, std::shared_ptr<pagecli::MoeExperts>>(m, "MoeExperts", pybind11::module_local())
+      .def(pybind11::init<std::shared_ptr<pagecli::PackedProduct>, c10::optional<torch::Tensor>,
+                          std::vector<std::shared_ptr<pagecli::PackedProduct>>,
+                          std::vector<std::shared_ptr<pagecli::PackedProduct>>, int64_t, bool>(),
+           "(router product or None, router weight or None, experts' gate_up products, their down products, "
+           "top_k, norm_topk_prob)")
+      .def("forward", &pagecli::MoeExperts::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "SparseMoE.forward: x [rows, hidden] -> [rows, hidden]");
   pybind11::class_<pagecli::DecodeStep>(m, "DecodeStep", pybind11::module_local())
       .def(pybind11::init<std::vector<pagecli::DecodeStep::Layer>, std::vector<pagecli::DecodeStep::PackedLayer>, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool,
+                          std::vector<std::shared_ptr<pagecli::MoeExperts>>, bool>(),
+           pybind11::arg("layers"), pybind11::arg("packed"), pybind11::arg("final_norm"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("team"),
+           pybind11::arg("moe") = std::vector<std::shared_ptr<pagecli::MoeExperts>>{},
+           pybind11::arg("qk_norm_whole") = false)
       .def("runs_as_team", &pagecli::DecodeStep::runs_as_team,
            "Whether a step of this many bf16 rows runs in one team (DecodeStep::forward_team)")
       .def("forward", &pagecli::DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),

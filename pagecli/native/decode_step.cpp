@@ -6,6 +6,7 @@
 #include "cpu_ops.h"
 #include "kv_quant.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace pagecli {
@@ -22,23 +23,25 @@ torch::Tensor rms_norm_like_torch(const torch::Tensor& x, const torch::Tensor& w
 
 DecodeStep::DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
                        torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                       bool team)
-    : layers_(std::move(layers)), packed_(std::move(packed)), final_norm_(std::move(final_norm)),
-      cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim), eps_(eps), scale_(scale) {
+                       bool team, std::vector<std::shared_ptr<MoeExperts>> moe, bool qk_norm_whole)
+    : layers_(std::move(layers)), packed_(std::move(packed)), moe_(std::move(moe)), qk_norm_whole_(qk_norm_whole),
+      final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)), num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
   TORCH_CHECK(packed_.empty() || packed_.size() == layers_.size(), "DecodeStep: packed products for every layer or none");
+  TORCH_CHECK(moe_.empty() || moe_.size() == layers_.size(), "DecodeStep: a mixture of experts (or none) for every layer");
+  const bool any_experts = std::any_of(moe_.begin(), moe_.end(), [](const auto& m) { return m != nullptr; });
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     TORCH_CHECK(layer.size() == 12, "DecodeStep: each layer needs 12 entries");
     for (int i : {0, 7}) TORCH_CHECK(layer[i].has_value(), "DecodeStep: missing weight ", i);
     TORCH_CHECK(packed_.empty() || packed_[l].size() == 4, "DecodeStep: each packed layer needs its 4 entries");
     static constexpr int kWeight[] = {1, 5, 8, 10};
-    for (int which = 0; which < 4; ++which) {
+    for (int which = 0; which < (experts(l) ? 2 : 4); ++which) {  // a mixture of experts has no gate_up, down
       TORCH_CHECK((!packed_.empty() && packed_[l][which]) || layer[kWeight[which]].has_value(),
                   "DecodeStep: layer ", l, " has neither a packed product nor a weight for product ", which);
     }
   }
-  team_ready_ = team && !packed_.empty();
+  team_ready_ = team && !packed_.empty() && !any_experts && !qk_norm_whole_;
   if (team_ready_) team_dtype_ = packed_[0][0] ? packed_[0][0]->into_dtype() : at::kBFloat16;
   for (const auto& layer : packed_) {  // every product into memory of one dtype: bf16, or float32 (avx2 level)
     for (const auto& p : layer) team_ready_ = team_ready_ && p && p->runs_into() && p->into_dtype() == team_dtype_;
@@ -97,7 +100,10 @@ torch::Tensor DecodeStep::run(torch::Tensor h, const torch::Tensor& positions, c
     auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
-    if (w[3].has_value()) {
+    if (w[3].has_value() && qk_norm_whole_) {  // OLMoE: over the whole projections, then split into heads
+      q = rms_norm_like_torch(qkv.narrow(1, 0, q_size), *w[3], eps_).view({rows, num_heads_, head_dim_});
+      k = rms_norm_like_torch(qkv.narrow(1, q_size, kv_size), *w[4], eps_).view({rows, num_kv_heads_, head_dim_});
+    } else if (w[3].has_value()) {
       q = rms_norm_like_torch(q, *w[3], eps_);
       k = rms_norm_like_torch(k, *w[4], eps_);
     }
@@ -117,6 +123,10 @@ torch::Tensor DecodeStep::run(torch::Tensor h, const torch::Tensor& positions, c
     delta = product(i, 1, attn.view({rows, q_size}));
     if (lora) lora->add(i, 1, attn.view({rows, q_size}), *delta);
     x = add_rms_norm(h, delta, *w[7], eps_);
+    if (const MoeExperts* moe = experts(i)) {  // adapters of a mixture of experts target attention only
+      delta = moe->forward(x);
+      continue;
+    }
     auto gate_up = product(i, 2, x);
     if (lora) lora->add(i, 2, x, gate_up);
     auto act = silu_mul(gate_up);

@@ -6,6 +6,7 @@
 
 #include "gemm_bf16.h"
 #include "lora_add.h"
+#include "moe_experts.h"
 
 #include <memory>
 #include <vector>
@@ -42,9 +43,13 @@ class DecodeStep {
 
   // team: run steps of up to kTeamRows rows in one parallel region where the products allow
   // (forward_team below; pagecli.models.weight_plan.decode_team_wanted, PAGECLI_DECODE_TEAM).
+  // moe: empty, or per layer its mixture of experts in place of the gated MLP (null: a dense layer,
+  // whose gate_up and down are in Layer/PackedLayer; a mixture's are not); a step with experts runs
+  // kernel by kernel (run), not as a team. qk_norm_whole: the q/k norms (Layer entries 3, 4) are over
+  // the whole q and k projections before they are split into heads (OLMoE), else over each head.
   DecodeStep(std::vector<Layer> layers, std::vector<PackedLayer> packed, torch::Tensor final_norm, torch::Tensor cos,
              torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-             bool team);
+             bool team, std::vector<std::shared_ptr<MoeExperts>> moe = {}, bool qk_norm_whole = false);
 
   // h [rows, hidden] (the embeddings; used as the residual stream), positions [rows] int64,
   // kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim] in h's dtype, or int8/fp8
@@ -86,8 +91,13 @@ class DecodeStep {
   // cache slot slots[t] of [blocks, block_size, kv_heads, head_dim] = rows[t] (an index_copy_).
   void store_rows(const torch::Tensor& rows, torch::Tensor& cache, const torch::Tensor& slots) const;
 
+  // Layer i's mixture of experts, or null (a dense layer).
+  const MoeExperts* experts(size_t i) const { return moe_.empty() ? nullptr : moe_[i].get(); }
+
   std::vector<Layer> layers_;
   std::vector<PackedLayer> packed_;
+  std::vector<std::shared_ptr<MoeExperts>> moe_;
+  bool qk_norm_whole_ = false;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;

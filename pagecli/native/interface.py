@@ -40,6 +40,7 @@ class CpuOps(Protocol):
     PackedLinearInt8: Any  # int8 weights with a scale per 64 (or a GGUF Q8_0's per 32): a Product
     PackedLinearInt4: Any  # 4-bit groups of 32 with scale and minimum (Q4_0/Q4_1's layout): a Product
     DecodeStep: Any  # a decode-only step's whole layer loop (decode_step.h)
+    MoeExperts: Any  # a mixture of experts' router and experts for DecodeStep (moe_experts.h)
     LoraStacks: Any  # the loaded LoRA adapters' stacks per layer and product (lora_add.h)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
