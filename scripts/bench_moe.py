@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/make_shape_models.py --shapes olmoe-1b-7b --out DIR [--llama-cpp SRC]
     .venv/bin/python scripts/bench_moe.py --model DIR/olmoe-1b-7b [--llama-cpp BUILD_BIN] [--gguf FILE]
-        [--quantize int4] [--reps 3] [--threads 2] [--only pp512,tg128]
+        [--quantize int4] [--dtype auto] [--reps 3] [--threads 2] [--only pp512,tg128]
 
 The model is OLMoE-1B-7B's shape with random weights (scripts/make_shape_models.py: 6.91B parameters, 64
 experts of which a token takes 8: 1.17B active besides the embedding table). Figures, each run in a process
@@ -33,10 +33,10 @@ import json, sys, time, torch
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.models.moe import SparseMoE
-task, model, threads, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+task, model, threads, quantize, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 torch.set_num_threads(threads)
 engine = Engine(model, EngineConfig(disk_cache=False, max_num_batched_tokens=4096, kv_budget_gib=1.0,
-                                    quantize=quantize))
+                                    quantize=quantize, dtype=dtype))
 gen = torch.Generator().manual_seed(0)
 def ids(n):
     return torch.randint(100, 40000, (n,), generator=gen).tolist()
@@ -70,8 +70,8 @@ print(json.dumps({"rate": rate, "weights_bytes": engine.weights_bytes, "active_b
 """
 
 
-def pagecli_run(task: str, model: str, threads: int, quantize: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize],
+def pagecli_run(task: str, model: str, threads: int, quantize: str, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, task, model, str(threads), quantize, dtype],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -102,12 +102,14 @@ def main() -> None:
     ap.add_argument("--llama-cpp", default=None, help="llama.cpp's build/bin folder (with llama-bench)")
     ap.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: MODEL.Q4_0.gguf)")
     ap.add_argument("--quantize", default="int4")
+    ap.add_argument("--dtype", default="auto", help="pagecli's --dtype (auto: bf16 for a batch engine where the CPU has it)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="pp512,tg128")
     args = ap.parse_args()
     model = args.model.rstrip("/")
-    contenders = {f"pagecli {args.quantize}": lambda task: pagecli_run(task, model, args.threads, args.quantize)}
+    contenders = {f"pagecli {args.quantize}": lambda task: pagecli_run(task, model, args.threads, args.quantize,
+                                                                         args.dtype)}
     if args.llama_cpp:
         gguf = args.gguf or f"{model}.Q4_0.gguf"
         name = f"llama.cpp {os.path.basename(gguf).removeprefix(os.path.basename(model) + '.').removesuffix('.gguf')}"

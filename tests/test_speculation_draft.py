@@ -18,6 +18,7 @@ from pagecli.engine.draft_budget import (MAX_PROBE_EVERY, PROBE_DRAFTS, DraftBud
                                          draft_step_share)
 from pagecli.errors import PagecliError
 from pagecli.models.loader import load_model
+from pagecli.ui.progress import load_summary
 from speculation_prompts import GREEDY, PROMPTS
 
 
@@ -160,6 +161,12 @@ def test_the_draft_pool_comes_out_of_the_same_budget(models):
     checked = replace(stats, spec_drafts=4, spec_accepted=2, spec_passes=2, spec_tokens=4)
     assert "speculation (draft) accepted 50% of 4 drafts" in speculation_summary(checked)
     assert checked.to_dict()["spec_method"] == "draft"  # --json's stats
+    # The start-up line names the draft model and its share: its pool has as many blocks, from the same budget.
+    assert stats.draft_kv_bytes == engine.pool.num_blocks * engine.drafter.kv_bytes_per_block > 0
+    assert stats.draft_weights_bytes == engine.drafter.engine.weights_bytes > 0
+    line = load_summary(stats)
+    assert f"draft model {engine.drafter.name}: weights" in line and "from the same KV budget" in line
+    assert "draft model" not in load_summary(alone.stats()) and alone.stats().draft_kv_bytes == 0
 
 
 def test_draft_and_draft_model_come_together():

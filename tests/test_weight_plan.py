@@ -97,6 +97,18 @@ def test_a_gguf_files_own_rounded_output_layer_runs_on_int8_blocks(dtype, ops, f
         assert "output layer: int8" in plan.describe()
 
 
+def test_auto_runs_a_mixture_of_experts_gguf_on_its_blocks_in_any_dtype():
+    """A dense GGUF model in bf16 keeps its floats under --quantize auto; a mixture of experts runs the file's
+    blocks in bf16 too (its floats would be 3.5x the file); neither where no native kernel runs the blocks."""
+    vnni = kernels("avx512_vnni")
+    assert plan_weights(torch.bfloat16, CPU, "auto", vnni, Q4_1_FILE).quantize == "none"
+    moe = plan_weights(torch.bfloat16, CPU, "auto", vnni, Q4_1_FILE, experts=True)
+    assert (moe.quantize, moe.int16_activations) == ("gguf", False) and "mixture of experts" in moe.why
+    assert plan_weights(torch.float32, CPU, "auto", vnni, Q4_1_FILE, experts=True).quantize == "gguf"
+    assert plan_weights(torch.bfloat16, CPU, "auto", None, Q4_1_FILE, experts=True).quantize == "none"
+    assert plan_weights(torch.bfloat16, CPU, "auto", vnni, None, experts=True).quantize == "none"  # not a GGUF
+
+
 def test_what_cannot_run_is_refused_in_one_sentence():
     with pytest.raises(PagecliError, match="CPU only"):
         plan_weights(torch.bfloat16, torch.device("cuda"), "int4", None)

@@ -675,7 +675,16 @@ class Engine:
             adapter_sizes=tuple((a.name, a.nbytes) for a in self.adapters.summaries()),
             merged_lora="" if self.merged_lora is None else self.merged_lora.name,
             spec_method=self.speculate, **(self.speculator.counts() if self.speculator else {}),
+            **self._draft_stats(),
         )
+
+    def _draft_stats(self) -> dict[str, Any]:
+        """The draft model's name and bytes for EngineStats, where --speculate draft has one."""
+        drafter = self.drafter
+        if drafter is None or drafter.runner is None:
+            return {}
+        return {"draft_model": drafter.name, "draft_weights_bytes": drafter.engine.weights_bytes,
+                "draft_kv_bytes": drafter.runner.kv_bytes}
 
 
 

@@ -58,6 +58,11 @@ class EngineStats:
     spec_accepted: int = 0
     spec_passes: int = 0
     spec_tokens: int = 0
+    # --speculate draft's model: its name, weights and KV pool (as many blocks as the main pool, out of the same
+    # budget: engine/draft_model.py); empty and 0 without one.
+    draft_model: str = ""
+    draft_weights_bytes: int = 0
+    draft_kv_bytes: int = 0
 
     @property
     def spec_acceptance(self) -> float:

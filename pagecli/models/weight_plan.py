@@ -163,13 +163,14 @@ class WeightPlan:
 
 def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: CpuOps | None,
                  gguf_types: Mapping[str, int] | None = None, one_call_shaped: bool = True,
-                 gguf_output: str | None = None) -> WeightPlan:
+                 gguf_output: str | None = None, experts: bool = False) -> WeightPlan:
     """The plan for a model of this dtype on this device. quantize: --quantize as given; ops: the CPU
     kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for
     a model converted from a .gguf file (gguf_files.tensor_types), else None; one_call_shaped: whether the architecture's layers are the ones the
     one-call decode step runs (DecoderSpec.one_call_shaped: not Gemma's soft-capping, sliding layers, norms
     after each block and GeGLU, nor partial rotary); gguf_output: the GGUF type of the file's own output layer
-    (gguf_files.output_type: None for a tied table). Refuses --quantize off the CPU, and gguf for another model."""
+    (gguf_files.output_type: None for a tied table); experts: the model is a mixture of experts (DecoderSpec.moe).
+    Refuses --quantize off the CPU, and gguf for another model."""
     if quantize not in ("auto", "none", *QUANTIZED):
         raise PagecliError(f"--quantize must be auto, none, int8, int4 or gguf (got '{quantize}').")
     if quantize in QUANTIZED and device.type != "cpu":
@@ -181,7 +182,7 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     int4_native = ops is not None and kernel_takes(ops.int4_linear_kind(), dtype)
     int16 = dtype == torch.float32  # float32 models round to int16 on every level; bf16/fp16 to int8 where VNNI
     q8_0_as_is = int8_native and (int16 or ops.int8_linear_kind() == "avx2")
-    resolved, why = _resolve(quantize, dtype, ops, int8_native, int4_native, int16, gguf_types)
+    resolved, why = _resolve(quantize, dtype, ops, int8_native, int4_native, int16, gguf_types, experts)
     float_form = ("float-panels" if dtype == torch.float32 and float_panels_offered(ops)
                   else "bf16-panels" if dtype == torch.bfloat16 and bf16_panels_offered(ops) else "float")
     decoder = float_form if resolved == "none" else resolved
@@ -212,23 +213,31 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
 
 
 def _resolve(quantize: str, dtype: torch.dtype, ops: CpuOps | None, int8_native: bool, int4_native: bool,
-             int16: bool, gguf_types: Mapping[str, int] | None) -> tuple[str, str]:
+             int16: bool, gguf_types: Mapping[str, int] | None, experts: bool = False) -> tuple[str, str]:
     """--quantize auto (the default): a .gguf model's own blocks where a float32 model runs them on the
     native kernels that round activations to int16 (the converted floats' numbers to 2^-16 of each
-    activation block, KL 2e-7 on the embedded model, for a fifth of the bytes a decode step reads);
-    the converted floats everywhere else (bf16 and fp16 models, whose quantized products round
-    activations to int8; the PyTorch path; GPUs; other files)."""
+    activation block, KL 2e-7 on the embedded model, for a fifth of the bytes a decode step reads), and a
+    mixture of experts' blocks in any dtype (its bf16 floats would hold 3.5x the file's bytes, 14 GB for
+    OLMoE-1B-7B's 3.9 GB Q4_0 file, and a token would read its experts at 16 bits a weight; bf16 rounds
+    the activations to int8 per 64 on the blocks, as llama.cpp's own products do); the converted floats
+    everywhere else (dense bf16 and fp16 models, whose quantized products round activations to int8; the
+    PyTorch path; GPUs; other files)."""
     if quantize != "auto":
         return quantize, f"--quantize {quantize}"
     if gguf_types is None:
         return "none", "--quantize auto: the checkpoint's floats"
     if ops is None:
         return "none", "--quantize auto: no CPU kernels to run the file's blocks"
-    if not (int16 and int8_native and int4_native):
-        return "none", "--quantize auto: a bf16 or fp16 model would round activations to int8 on the blocks"
+    if not (int8_native and int4_native):
+        return "none", "--quantize auto: no native kernels here for the file's blocks"
     if not any(kind in AS_IS_TYPES for kind in gguf_types):
         return "none", "--quantize auto: the file has no Q4_0, Q4_1 or Q8_0 blocks to run"
-    return "gguf", "--quantize auto: float32 runs the file's blocks on the int16 kernels"
+    if int16:
+        return "gguf", "--quantize auto: float32 runs the file's blocks on the int16 kernels"
+    if experts:
+        return "gguf", ("--quantize auto: a mixture of experts runs the file's blocks (its floats would be 3.5x "
+                        "the file; activations rounded to int8 per 64)")
+    return "none", "--quantize auto: a bf16 or fp16 model would round activations to int8 on the blocks"
 
 
 def blocks_choose_float32(quantize: str, device: torch.device, ops: CpuOps | None,
@@ -282,4 +291,4 @@ def plan_for_folder(folder: Path, dtype: str | torch.dtype, device: torch.device
             dtype = torch.float32
     spec = DecoderSpec.from_hf_config(hf_config, folder / "config.json")
     output = gguf_files.output_type(source, folder) if gguf_types else None
-    return plan_weights(dtype, device, quantize, ops, gguf_types, spec.one_call_shaped, output)
+    return plan_weights(dtype, device, quantize, ops, gguf_types, spec.one_call_shaped, output, spec.moe)

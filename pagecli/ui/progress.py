@@ -21,7 +21,16 @@ def load_summary(stats: EngineStats) -> str:
     return (f"Model on {stats.device} ({weights}, {stats.attention_backend} attention): weights "
             f"{stats.weights_bytes / mib:,.0f} MiB; KV pool {stats.num_blocks:,} blocks x {stats.block_size} tokens = "
             f"{stats.num_blocks * stats.block_size:,} tokens ({stats.kv_bytes_total / mib:,.0f} MiB); "
-            f"max {stats.max_model_len:,} tokens per sequence{_adapters(stats)}.")
+            f"max {stats.max_model_len:,} tokens per sequence{_draft(stats)}{_adapters(stats)}.")
+
+
+def _draft(stats: EngineStats) -> str:
+    """--speculate draft's model: its weights and its KV pool, which shares the budget above."""
+    if not stats.draft_model:
+        return ""
+    mib = 1 << 20
+    return (f"; draft model {stats.draft_model}: weights {stats.draft_weights_bytes / mib:,.0f} MiB, its own KV pool "
+            f"of as many blocks {stats.draft_kv_bytes / mib:,.0f} MiB (from the same KV budget)")
 
 
 def _adapters(stats: EngineStats) -> str:
