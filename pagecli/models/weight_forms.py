@@ -20,8 +20,8 @@ from torch import nn
 
 from pagecli.models.decoder import CausalLM, DecoderLayer
 from pagecli.models.layers import GatedMLP, Linear, RMSNorm
-from pagecli.models.moe import SparseMoE
 from pagecli.models.lora import ATTENTION_PRODUCTS, LoraAdapter, LowRank
+from pagecli.models.moe import SparseMoE
 from pagecli.models.quantize import Int8Reference, int8_product, quantize_int8
 from pagecli.models.quantize_int4 import Int4Reference, int4_product, quantize_int4
 from pagecli.models.weight_plan import WeightPlan
