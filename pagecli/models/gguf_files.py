@@ -40,7 +40,7 @@ def held_in_file(tensor: Any) -> bool:
     Decoder matrices of the other quantized types (K-quants) keep their float32 copy: the gguf package
     dequantizes them at 18-45 M weights a second, minutes a start for a whole 7B model."""
     kind = tensor.tensor_type.name
-    return kind in HELD_TYPES or (kind not in _FLOAT_TYPES and not tensor.name.startswith("blk."))
+    return kind in HELD_TYPES or (quantized_type(kind) and not tensor.name.startswith("blk."))
 
 
 def write_record(folder: Path, held: dict[str, str], architecture: str, config: dict[str, Any]) -> None:

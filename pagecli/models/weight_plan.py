@@ -168,9 +168,9 @@ def plan_weights(dtype: torch.dtype, device: torch.device, quantize: str, ops: C
     kernels (None on a GPU or without them); gguf_types: how many decoder matrices each GGUF type holds, for
     a model converted from a .gguf file (gguf_files.tensor_types), else None; one_call_shaped: whether the
     architecture's layers are the ones the one-call decode step runs (DecoderSpec.one_call_shaped: not
-    Gemma's soft-capping, sliding layers, norms after each block and GeGLU, nor partial rotary); gguf_output: the GGUF type of the file's own output layer
-    (gguf_files.output_type: None for a tied table); experts: the model is a mixture of experts (DecoderSpec.moe).
-    Refuses --quantize off the CPU, and gguf for another model."""
+    Gemma's soft-capping, sliding layers, norms after each block and GeGLU, nor partial rotary);
+    gguf_output: the GGUF type of the file's own output layer (gguf_files.output_type: None for a tied table);
+    experts: the model is a mixture of experts (DecoderSpec.moe). Refuses --quantize off the CPU, and gguf for another model."""
     if quantize not in ("auto", "none", *QUANTIZED):
         raise PagecliError(f"--quantize must be auto, none, int8, int4 or gguf (got '{quantize}').")
     if quantize in QUANTIZED and device.type != "cpu":
