@@ -16,8 +16,9 @@ The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests,
 excerpt of this repository's own code or docs (as they were when the set was made) with an instruction
 to return it with a small change. The embedded model (SmolLM2-135M-Instruct) at the defaults a user gets
 (dtype and --quantize auto), chat template applied, one request at a time, 2 threads. Prints output
-tokens per second over the whole set, median [range] of the repetitions, per configuration, the drafts'
-acceptance and tokens per checking pass, and the number of requests whose output differs from
+tokens per second over the whole set (prefill included) and, one request at a time, the decode rate (the
+tokens after each request's first over the time after it), median [range] of the repetitions, per
+configuration, the drafts' acceptance and tokens per checking pass, and the number of requests whose output differs from
 speculation off (must be 0).
 """
 
@@ -78,14 +79,22 @@ def open_prompts(tokenizer) -> list[list[int]]:
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int = 1,
-        sampling: SamplingParams | None = None) -> tuple[float, list[tuple[int, ...]]]:
+        sampling: SamplingParams | None = None) -> tuple[float, float, list[tuple[int, ...]]]:
+    """Output tokens per second over the set end to end (prefill included), the decode rate (tokens after
+    each request's first over the time after it: the prompt's prefill left out; one request at a time only,
+    else 0), and the outputs."""
     sampling = sampling or SamplingParams(temperature=0, max_tokens=max_tokens)
     outputs, tokens, start = [], 0, time.perf_counter()
+    decode_tokens, decode_s = 0, 0.0
     for first in range(0, len(prompts), batch):
+        began = time.perf_counter()
         for done in engine.generate(prompts[first : first + batch], sampling):
             outputs.append(done.token_ids)
             tokens += done.completion_tokens
-    return tokens / (time.perf_counter() - start), outputs
+            if batch == 1 and done.ttft_s is not None:
+                decode_tokens += done.completion_tokens - 1
+                decode_s += time.perf_counter() - began - done.ttft_s
+    return tokens / (time.perf_counter() - start), decode_tokens / decode_s if decode_s > 0 else 0.0, outputs
 
 
 def main() -> None:
@@ -144,27 +153,34 @@ def main() -> None:
           f"{'sampled 0.7/0.95, seeded' if args.sampled else 'greedy'}, max_tokens {args.max_tokens}; "
           f"output tok/s over the set")
     speeds: dict[str, list[float]] = {name: [] for name in engines}
+    decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
     reference: list[tuple[int, ...]] | None = None
     differing: dict[str, int] = {name: 0 for name in engines}
     for rep in range(args.reps):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))
         for name in order:
-            speed, outputs = run(engines[name], prompts, args.max_tokens, args.batch, sampling)
+            speed, decode_speed, outputs = run(engines[name], prompts, args.max_tokens, args.batch, sampling)
             speeds[name].append(speed)
+            decode_speeds[name].append(decode_speed)
             if name == "off" or "off" not in engines and reference is None:
                 reference = outputs if reference is None else reference
             elif reference is not None:
                 differing[name] = max(differing[name], sum(a != b for a, b in zip(outputs, reference)))
-            print(f"  rep {rep + 1} {name:10} {speed:7.1f} tok/s", flush=True)
+            print(f"  rep {rep + 1} {name:10} {speed:7.1f} tok/s (decode {decode_speed:.1f})", flush=True)
     base = statistics.median(next(iter(speeds.values())))
+    decode_base = statistics.median(next(iter(decode_speeds.values())))
     for name, values in speeds.items():
         stats = engines[name].stats()
         extra = "" if not stats.spec_passes else (
             f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} tokens per pass, "
             f"outputs differing from off: {differing[name]}; a row's measured cost r = "
             f"{engines[name].speculator.row_cost.value:.2f} of a one-row step{_draft_cost(engines[name])}")
+        decode = decode_speeds[name]
+        decode_part = "" if not decode_base else (
+            f"; decode {statistics.median(decode):.1f} [{min(decode):.1f}-{max(decode):.1f}] "
+            f"({statistics.median(decode) / decode_base:.2f}x)")
         print(f"{name:10} {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}] tok/s "
-              f"({statistics.median(values) / base:.2f}x){extra}")
+              f"({statistics.median(values) / base:.2f}x){decode_part}{extra}")
 
 
 def _draft_cost(engine: Engine) -> str:

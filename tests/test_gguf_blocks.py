@@ -18,7 +18,7 @@ from pagecli.errors import ModelError, PagecliError
 from pagecli.models import gguf_blocks, gguf_files, weight_plan
 from pagecli.models.gguf_blocks import Int4Parts, Q8Parts, dequantize_parts, tensor_parts
 from pagecli.models.layers import Linear
-from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS, round_activations
+from pagecli.models.quantize import INT16_LEVELS, activation_levels, round_activations
 from pagecli.models.source import default_model_gguf
 from pagecli.native import isa
 from test_quant_int8 import assert_within_activation_rounding
@@ -96,7 +96,7 @@ def test_q4_blocks_run_on_the_int4_kernel_as_float32_math_on_their_floats(level,
     parts = tensor_parts(fake_tensor(kind, 100, 96, seed=3))
     layer = ops.PackedLinearInt4(parts.q, parts.scale, parts.minimum, None)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
-    levels = INT8_LEVELS if layer.kind == "avx512_vnni" else INT16_LEVELS  # the activations' rounding
+    levels = activation_levels(layer.kind)  # the activations' rounding
     assert_within_activation_rounding(layer.forward(x), x, dequantize_parts(parts), None, levels, kind)
 
 

@@ -2,7 +2,10 @@
 every compiled level and for every tile: AVX-512 builds run products of 4 or more rows on 512-bit tiles
 of up to 8 rows by 2 panels, AVX2 builds and few-row products on the 256-bit tile of up to 3 rows by one
 panel. Each group's integer sums are exact and folded lane for lane in the same order, so a row's result
-must not depend on the level, the batch beside it or the tile that ran it."""
+must not depend on the level, the batch beside it or the tile that ran it. The int4 products of a VNNI
+build are the exception to the level: they round to 32639 levels on the VNNI panels (quant_int4.cpp's wide
+tiles), so there a row keeps its bits in any batch and tile of that level, and comes within the rounding of
+the int16 reference of the other levels."""
 
 from __future__ import annotations
 
@@ -45,8 +48,14 @@ def test_every_level_and_tile_gives_a_row_the_same_bits(kind, in_features, out_f
     x = torch.randn(max(ROWS), in_features, generator=gen)
     x[2, :40] = 0  # a block that is partly zero
     with threads(2):
-        alone = torch.cat([layers["avx2"].forward(x[m : m + 1]) for m in range(max(ROWS))])
+        alone = {level: torch.cat([layer.forward(x[m : m + 1]) for m in range(max(ROWS))])
+                 for level, layer in layers.items()}
         for level, layer in layers.items():
+            own = layer.kind == "avx512_vnni_i16"  # the wide tiles' own rounding (module docstring)
+            expected = alone[level] if own else alone["avx2"]
             for rows in ROWS:
                 got = layer.forward(x[:rows])
-                assert torch.equal(got, alone[:rows]), f"{level}, {rows} rows: {(got - alone[:rows]).abs().max():.3g}"
+                assert torch.equal(got, expected[:rows]), f"{level}, {rows} rows: {(got - expected[:rows]).abs().max():.3g}"
+            if own:  # within a few units of 2^-15 of the outputs' scale of the int16 kernel's results
+                scale = alone["avx2"].abs().max()
+                assert (alone[level] - alone["avx2"]).abs().max() <= 1e-4 * scale

@@ -19,7 +19,7 @@ from pagecli import native
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.models.layers import Linear
-from pagecli.models.quantize import INT8_LEVELS, INT16_LEVELS
+from pagecli.models.quantize import activation_levels
 from pagecli.models.quantize_int4 import (
     GROUP, Int4Reference, dequantize_int4, int4_blocks_reference, int4_product, pack_nibbles, quantize_int4,
     unpack_nibbles,
@@ -110,6 +110,8 @@ def test_each_int4_kernel_is_its_reference_and_within_the_rounding_of_float_math
                                                                                 bias, kind, levels, int16):
     if kind == "avx512_vnni" and ops.int4_linear_kind() != kind:
         pytest.skip("this build has no AVX512-VNNI int4 kernel")
+    if int16 and ops.int4_linear_kind() == "avx512_vnni":  # float32 models' int16 on the VNNI panels
+        kind, levels = "avx512_vnni_i16", activation_levels("avx512_vnni_i16")
     (q, scale, minimum, b), _ = int4_weights(in_features, out_features, bias)
     layer = ops.PackedLinearInt4(q, scale, minimum, b, int16_activations=int16)
     assert layer.kind == kind
@@ -203,9 +205,9 @@ def test_every_level_runs_an_int4_model_on_its_own_products(tiny_model_factory, 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_a_float32_model_rounds_activations_to_int16_and_keeps_the_references_tokens(tiny_model_factory, monkeypatch,
                                                                                       level, quantize):
-    """A float32 model runs its quantized products on the AVX2 kernel at every level (a VNNI CPU's
-    too), activations rounded to int16 (2^-16 of a block's largest), so its greedy tokens are the
-    PyTorch reference's: float32 math on the same dequantized weights."""
+    """A float32 model runs its quantized products with activations rounded to int16 (2^-16 of a block's
+    largest) at every level: the AVX2 kernel, or on a VNNI build the int4 products' wide tiles, so its greedy
+    tokens are the PyTorch reference's: float32 math on the same dequantized weights."""
     folder = tiny_model_factory("llama")
 
     def tokens(level_name):
@@ -220,7 +222,8 @@ def test_a_float32_model_rounds_activations_to_int16_and_keeps_the_references_to
     reference_kinds, reference = tokens("torch")
     assert reference_kinds == {"reference"}
     kinds, got = tokens(level)
-    assert kinds == {"avx2"}, f"the {level} level's float32 products ran on {kinds}"
+    wide = quantize == "int4" and native.cpu_ops().int4_linear_kind() == "avx512_vnni"
+    assert kinds == {"avx512_vnni_i16" if wide else "avx2"}, f"the {level} level's float32 products ran on {kinds}"
     assert got == reference
 
 
@@ -249,6 +252,6 @@ def test_a_layer_on_the_torch_reference_matches_the_kernel_layer(ops):
     lin.bias = torch.nn.Parameter(b, requires_grad=False)
     lin.use_product(*int4_product(q, scale, minimum, b, ops))
     x = activations(3, 96, torch.bfloat16)
-    levels = INT8_LEVELS if lin.packed.kind == "avx512_vnni" else INT16_LEVELS  # the activations' rounding
+    levels = activation_levels(lin.packed.kind)  # the activations' rounding
     assert_within_activation_rounding(lin(x), x, dequantize_int4(q, scale, minimum), b, levels, "the layer")
     assert lin.weight is None

@@ -116,11 +116,19 @@ TINY_BLOCK = float(torch.tensor(1e-30, dtype=torch.float32))  # a block whose la
 
 INT8_LEVELS = 127  # the AVX512-VNNI kernels round activations to int8 (act_quant.h)
 INT16_LEVELS = 32767  # the AVX2 ones to int16 (panel_i16.h)
+WIDE_LEVELS = 32639  # the VNNI int4 kernel's wide tiles to int16 kept as two int8 halves (act_quant.h's WideRows)
+# A native quantized product's kind (its `kind`) -> the levels it rounds activations to.
+KIND_LEVELS = {"avx512_vnni": INT8_LEVELS, "avx2": INT16_LEVELS, "avx512_vnni_i16": WIDE_LEVELS}
+
+
+def activation_levels(kind: str) -> int:
+    """The levels a native quantized product of this kind rounds its activations to (KIND_LEVELS)."""
+    return KIND_LEVELS[kind]
 
 
 def round_activations(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """What the native quantized products do to their activations (act_quant.h's int8 with levels
-    127, panel_i16.h's int16 with 32767): x [..., K] -> (xq [M, B, 64] float64 holding integers in
+    127, panel_i16.h's int16 with 32767, the VNNI int4 kernel's wide tiles with 32639): x [..., K] -> (xq [M, B, 64] float64 holding integers in
     [-levels, levels], zero past K; d [M, B, 1] float64), M rows, B blocks of 64: d = max |x| / levels
     and xq = round(x * (levels / max |x|)) per block, a block whose max |x| is below 1e-30 zeros."""
     K = x.shape[-1]

@@ -92,7 +92,7 @@ def int4_blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None, levels: int = INT8_LEVELS) -> torch.Tensor:
     """The native int4 kernels' arithmetic in PyTorch (float64 sums; the kernels' fp32 ones differ
     only by rounding): x rounded as quantize.round_activations(x, levels) does (127: AVX512-VNNI,
-    32767: AVX2); per group of 32,
+    32767: AVX2, 32639: AVX512-VNNI for a float32 model, quantize.KIND_LEVELS); per group of 32,
     y += d * (scale * sum(xq * q) + min * sum(xq)) with d the row's scale for the group's 64-block;
     plus the bias. x [..., K], q [N, K] in [0, 15], scale and min [N, ceil(K / 32)] -> [..., N] float32."""
     xq, d = round_activations(x, levels)  # [M, B, 64], [M, B, 1]

@@ -68,6 +68,77 @@ inline void quantize_act_block(const scalar_t* x, int64_t n, int8_t* q, float* d
   gsum[1] = _mm512_reduce_add_epi32(sums[1]);
 }
 
+// Activations rounded to int16 for the VNNI kernels of float32 models (quant_int4.cpp's wide tiles): per
+// row and 64-block, d = max |x| / kWideLevels and xq = round(x * (kWideLevels / max |x|)) (ties to even),
+// a block whose max |x| is below 1e-30 all zeros; each xq is kept as two int8 halves, xq = 256 hi + lo with
+// hi = (xq + 128) >> 8 and lo = xq - 256 hi in [-128, 127], so vpdpbusd multiplies both by the unsigned
+// weight bytes and 256 * sum(q hi) + sum(q lo) is the exact sum(q xq). 32639 (not 32767) keeps hi within
+// [-127, 127]. pagecli.models.quantize.round_activations(x, 32639) is this rounding in PyTorch.
+constexpr int kWideLevels = 32639;
+
+// A batch's rows so rounded, in one piece of memory (bytes(M, K)): hi and lo [M, Kp] int8 (zero past K),
+// d [M, Kp / 64] fp32, gsum [M, Kp / 32] int32 (each 32-group's sum of xq, exact).
+struct WideRows {
+  int8_t* hi;
+  int8_t* lo;
+  float* d;
+  int32_t* gsum;
+  int64_t Kp;
+
+  static int64_t bytes(int64_t M, int64_t K) {
+    const int64_t Kp = act_padded_k(K);
+    return 2 * M * Kp + M * (Kp / kActBlock + Kp / kActGroup) * 4;
+  }
+  static WideRows in(void* memory, int64_t M, int64_t K) {
+    const int64_t Kp = act_padded_k(K);
+    int8_t* hi = static_cast<int8_t*>(memory);
+    float* d = reinterpret_cast<float*>(hi + 2 * M * Kp);
+    return {hi, hi + M * Kp, d, reinterpret_cast<int32_t*>(d + M * (Kp / kActBlock)), Kp};
+  }
+};
+
+inline void round_wide_block(const float* x, int64_t n, int8_t* hi, int8_t* lo, float* d, int32_t* gsum) {
+  constexpr float kTinyBlock = 1e-30f;
+  __m512 v[kActBlock / 16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < kActBlock / 16; ++i) {
+    const int64_t left = n - 16 * i;
+    v[i] = left >= 16 ? _mm512_loadu_ps(x + 16 * i)
+                      : _mm512_maskz_loadu_ps(static_cast<__mmask16>(left > 0 ? (1u << left) - 1 : 0), x + 16 * i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  float m = _mm512_reduce_max_ps(amax);
+  if (!(m >= kTinyBlock)) m = 0.0f;
+  const __m512 inv = _mm512_set1_ps(m > 0 ? static_cast<float>(kWideLevels) / m : 0.0f);
+  const __m512i top = _mm512_set1_epi32(kWideLevels), bottom = _mm512_set1_epi32(-kWideLevels);
+  __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int i = 0; i < kActBlock / 16; ++i) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // nearest, ties to even
+    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(r, top), bottom);
+    sums[i / 2] = _mm512_add_epi32(sums[i / 2], c);
+    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(128)), 8);
+    const __m512i l = _mm512_sub_epi32(c, _mm512_slli_epi32(h, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * i), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * i), _mm512_cvtepi32_epi8(l));
+  }
+  *d = m / static_cast<float>(kWideLevels);
+  gsum[0] = _mm512_reduce_add_epi32(sums[0]);
+  gsum[1] = _mm512_reduce_add_epi32(sums[1]);
+}
+
+// x [M, K] float32 (rows K apart) rounded as above into `out`, the blocks shared out among the threads
+// (a Team's members inside one: work_share.h).
+inline void round_wide_rows(const float* x, int64_t M, int64_t K, const WideRows& out) {
+  const int64_t Kp = out.Kp, blocks = Kp / kActBlock;
+  parallel_shared(M * blocks, [&](SharedWork::Cursor& cursor) {
+    for (int64_t i; (i = cursor.next()) >= 0;) {
+      const int64_t m = i / blocks, b = i % blocks;
+      round_wide_block(x + m * K + b * kActBlock, std::min(kActBlock, K - b * kActBlock), out.hi + m * Kp + b * kActBlock,
+                       out.lo + m * Kp + b * kActBlock, out.d + i, out.gsum + 2 * i);
+    }
+  }, 64);
+}
+
 // x [M, K] contiguous (float32, bf16 or fp16).
 inline QuantizedRows quantize_activations(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), Kp = act_padded_k(K), blocks = Kp / kActBlock;

@@ -19,9 +19,15 @@
 // A tile of up to 4 rows keeps per row and column vector a group's int32 sums and the fp32 totals
 // in registers.
 //
-// AVX2 kernel (panel_i16.h): the activations rounded to int16 per row and 64-block, the nibbles in
-// k pairs widened to int16 and multiplied with vpmaddwd, each group's sums exact in int32, then the
-// VNNI kernel's per-group formula with d = max |x| / 32767.
+// Wide tiles (float32 models on VNNI builds): the same blocks, the activations rounded to int16 with
+// 32639 levels as two int8 halves, two vpdpbusd sums a group (wide_tile_kernel below). Against the AVX2
+// kernel's 512-bit int16 tiles they replaced there (vpdpwssd on nibbles widened to int16), on AMD Zen 4
+// at 2 threads: the embedded model's 120 decoder products 3.17 -> 2.62 ms at 1 row, 9.29 -> 7.81 at 9,
+// 207 -> 173 at 256 (docs/benchmarks/speculation.md, "Wide int16 tiles").
+//
+// AVX2 kernel (panel_i16.h; builds without VNNI): the activations rounded to int16 per row and
+// 64-block, the nibbles in k pairs widened to int16 and multiplied with vpmaddwd, each group's sums
+// exact in int32, then the VNNI kernel's per-group formula with d = max |x| / 32767.
 
 #include "quant_int4.h"
 
@@ -39,8 +45,8 @@
 #include "weight_memory.h"
 #include "work_share.h"
 
-// Two kernels, both built where the instruction sets allow: VNNI (int8 activations) and AVX2 (int16
-// activations, which float32 models ask for on a VNNI CPU too: PackedLinearInt4's int16_activations).
+// Two kernels, both built where the instruction sets allow: VNNI (int8 activations, or int16 ones on the
+// wide tiles: PackedLinearInt4's int16_activations) and AVX2 (int16 activations, builds without VNNI).
 #define PAGECLI_INT4_VNNI PAGECLI_HAVE_VNNI
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGECLI_INT4_AVX2 1
@@ -92,6 +98,23 @@ struct Tile : TileRows {
   const float* bias;      // this panel's 48 biases, or nullptr
 };
 
+// A group's exact integer sums (isum[row][column vector]) folded into the rows' fp32 totals:
+// acc += d * (scale * isum + min * gsum), with the block's 48 fp16 scales then minimums at `halves`, and
+// gsum, d the first row's entries for the group (rows s_stride and d_stride apart).
+template <int kRows>
+inline void fold_group(const uint16_t* halves, const __m512i (&isum)[kRows][3], const int32_t* gsum, const float* d,
+                       int64_t s_stride, int64_t d_stride, __m512 (&acc)[kRows][3]) {
+  for (int v = 0; v < 3; ++v) {
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + v * 16)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + kPanelCols + v * 16)));
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 xs = _mm512_set1_ps(static_cast<float>(gsum[i * s_stride]));
+      const __m512 part = _mm512_fmadd_ps(min, xs, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[i][v]), scale));
+      acc[i][v] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[i * d_stride]), acc[i][v]);
+    }
+  }
+}
+
 template <int kRows, typename scalar_t>
 void tile_kernel(const Tile& t) {
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -120,15 +143,7 @@ void tile_kernel(const Tile& t) {
         }
       }
     }
-    for (int v = 0; v < 3; ++v) {
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + v * 16)));
-      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + kPanelCols + v * 16)));
-      for (int i = 0; i < kRows; ++i) {
-        const __m512 xs = _mm512_set1_ps(static_cast<float>(t.gsum[i * s_stride + g]));
-        const __m512 part = _mm512_fmadd_ps(min, xs, _mm512_mul_ps(_mm512_cvtepi32_ps(sum[i][v]), scale));
-        acc[i][v] = _mm512_fmadd_ps(part, _mm512_set1_ps(t.d[i * d_stride + g / 2]), acc[i][v]);
-      }
-    }
+    fold_group<kRows>(halves, sum, t.gsum + g, t.d + g / 2, s_stride, d_stride, acc);
   }
   store_tile_rows<kRows>(acc, t.bias, static_cast<scalar_t*>(t.y), t.N, t.cols);
 }
@@ -149,6 +164,100 @@ struct Panels {
     tile_kernel<kRows, scalar_t>(t);
   }
 };
+
+// The wide tiles (float32 models on VNNI builds: int16_activations): the same panel blocks, the activations
+// rounded to int16 (act_quant.h's WideRows: xq = 256 hi + lo, both int8), two vpdpbusd sums per row and column
+// vector (one of hi, one of lo) combined once per group into the exact isum = 256 S_hi + S_lo
+// (|isum| <= 32 * 15 * 32639 < 2^24: exact in fp32 too), then the int8 tiles' fold. Each output adds its
+// groups in order whatever the tile, so a row's result never depends on its batch.
+struct WideTile {
+  const uint8_t* panel;   // [groups, 960]
+  int64_t groups;
+  const int8_t* hi;       // first row's halves; rows Kp apart
+  const int8_t* lo;
+  const float* d;         // first row's scale per 64-block; rows Kp / 64 apart
+  const int32_t* gsum;    // first row's sum of xq per 32-group; rows Kp / 32 apart
+  int64_t Kp;
+  const float* bias;      // this panel's 48 biases, or nullptr
+  float* y;               // y[first row, first column of the panel]; rows N apart
+  int64_t N, cols;
+};
+
+// Tiles of up to 2 rows: a row's 6 sums (hi and lo by 3 column vectors) and 3 totals take 9 of the 32
+// registers; at 4 rows GCC kept sums on the stack and 4 rows took 1.6x as long as two 2-row tiles.
+constexpr int64_t kWideTileRows = 2;
+
+template <int kRows>
+void wide_tile_kernel(const WideTile& t) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t d_stride = t.Kp / kActBlock, s_stride = t.Kp / kActGroup;
+  __m512 acc[kRows][3];
+  for (int i = 0; i < kRows; ++i) {
+    for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* block = t.panel + g * kBlockBytes;
+    const uint16_t* halves = reinterpret_cast<const uint16_t*>(block);
+    const uint8_t* data = block + 4 * kPanelCols;
+    __m512i sum_hi[kRows][3], sum_lo[kRows][3];
+    for (int i = 0; i < kRows; ++i) {
+      for (int v = 0; v < 3; ++v) sum_hi[i][v] = sum_lo[i][v] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int v = 0; v < 3; ++v) {
+        const __m512i w = _mm512_loadu_si512(data + (j * 3 + v) * 64);
+        const __m512i wl = _mm512_and_si512(w, low), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int i = 0; i < kRows; ++i) {
+          const int8_t* h = t.hi + i * t.Kp + g * kInt4Group;
+          const int8_t* l = t.lo + i * t.Kp + g * kInt4Group;
+          sum_hi[i][v] = _mm512_dpbusd_epi32(sum_hi[i][v], wl, _mm512_set1_epi32(load_quad(h + 4 * j)));
+          sum_hi[i][v] = _mm512_dpbusd_epi32(sum_hi[i][v], wh, _mm512_set1_epi32(load_quad(h + 16 + 4 * j)));
+          sum_lo[i][v] = _mm512_dpbusd_epi32(sum_lo[i][v], wl, _mm512_set1_epi32(load_quad(l + 4 * j)));
+          sum_lo[i][v] = _mm512_dpbusd_epi32(sum_lo[i][v], wh, _mm512_set1_epi32(load_quad(l + 16 + 4 * j)));
+        }
+      }
+    }
+    for (int i = 0; i < kRows; ++i) {  // isum = 256 S_hi + S_lo, exact
+      for (int v = 0; v < 3; ++v) sum_hi[i][v] = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[i][v], 8), sum_lo[i][v]);
+    }
+    fold_group<kRows>(halves, sum_hi, t.gsum + g, t.d + g / 2, s_stride, d_stride, acc);
+  }
+  store_tile_rows<kRows>(acc, t.bias, t.y, t.N, t.cols);
+}
+
+// x [M, K] float32 times the panel blocks (+ bias) -> y [M, N] float32 on the wide tiles, without a tensor
+// allocated: the rounded rows go to the team's shared scratch inside a Team (DecodeStep's forward_team), else
+// to memory of this call's own; the units as run_vnni_product's. Each tile folded into `choices` where given.
+void wide_product_into(const uint8_t* blocks, int64_t groups, const float* bias, const float* x, int64_t M, int64_t K,
+                       float* y, int64_t N, GreedyChoices* choices = nullptr) {
+  if (M == 0) return;
+  const int64_t bytes = WideRows::bytes(M, K);
+  const TeamSeat& seat = team_seat();
+  std::vector<unsigned char> own;
+  void* memory = seat.team ? seat.team->shared_scratch(bytes, seat.rank) : (own.resize(bytes), own.data());
+  const WideRows rows = WideRows::in(memory, M, K);
+  round_wide_rows(x, M, K, rows);
+  const int64_t Kp = rows.Kp, num_panels = ceil_div(N, kPanelCols);
+  const ProductUnits units = product_units(num_panels, M, kWideTileRows, Kp);
+  parallel_shared(units.count(), [&](SharedWork::Cursor& cursor) {
+    for (int64_t u; (u = cursor.next()) >= 0;) {
+      const int64_t panel = units.panel(u);
+      for (int64_t rb = units.first_block(u); rb < units.last_block(u); ++rb) {
+        const int64_t m0 = rb * kWideTileRows, n_rows = std::min(kWideTileRows, M - m0);
+        const WideTile t{blocks + panel * groups * kBlockBytes, groups, rows.hi + m0 * Kp, rows.lo + m0 * Kp,
+                         rows.d + m0 * (Kp / kActBlock), rows.gsum + m0 * (Kp / kActGroup), Kp,
+                         bias ? bias + panel * kPanelCols : nullptr, y + m0 * N + panel * kPanelCols, N,
+                         std::min(kPanelCols, N - panel * kPanelCols)};
+        if (n_rows == 1) {
+          wide_tile_kernel<1>(t);
+        } else {
+          wide_tile_kernel<2>(t);
+        }
+        if (choices) choices->tile(t.y, N, m0, n_rows, panel * kPanelCols, t.cols);
+      }
+    }
+  });
+}
 
 at::Tensor product_avx512(const at::Tensor& x, const at::Tensor& packed, const float* bp, int64_t N) {
   return run_vnni_product(x, N, Panels{packed.data_ptr<uint8_t>(), bp, packed.size(1)});
@@ -245,7 +354,7 @@ at::Tensor panel_scale_min(const at::Tensor& scale, const at::Tensor& min, int64
 PackedLinearInt4::PackedLinearInt4(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& min,
                                    const c10::optional<at::Tensor>& bias, bool int16_activations)
     : N_(q.dim() == 2 ? q.size(0) : 0), K_(q.dim() == 2 ? q.size(1) : 0),
-      vnni_(PAGECLI_INT4_VNNI && !int16_activations) {
+      vnni_(PAGECLI_INT4_VNNI), wide_(PAGECLI_INT4_VNNI && int16_activations) {
   TORCH_CHECK(vnni_ || PAGECLI_INT4_AVX2, "the int4 products need AVX2 or AVX512-VNNI, which this build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() && N_ > 0 &&
                   K_ > 0,
@@ -277,7 +386,9 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   const at::Tensor x2 = x.reshape({-1, K_}).contiguous();  // [M, K]
   at::Tensor y;
 #if PAGECLI_INT4_VNNI
-  if (vnni_) y = product_avx512(x2, weights_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_);
+  if (vnni_) {
+    y = wide_ ? forward_via_into(x2) : product_avx512(x2, weights_, bias_.defined() ? bias_.data_ptr<float>() : nullptr, N_);
+  }
 #endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) y = forward_via_into(x2);
@@ -287,9 +398,16 @@ at::Tensor PackedLinearInt4::forward(const at::Tensor& x) const {
   return y.view(shape);
 }
 
-bool PackedLinearInt4::runs_into() const { return PAGECLI_INT4_AVX2 && !vnni_; }
+bool PackedLinearInt4::runs_into() const { return wide_ || (PAGECLI_INT4_AVX2 && !vnni_); }
 
 void PackedLinearInt4::forward_into(const at::Tensor& x, at::Tensor& y) const {
+#if PAGECLI_INT4_VNNI
+  if (wide_) {
+    wide_product_into(weights_.data_ptr<uint8_t>(), weights_.size(1), bias_.defined() ? bias_.data_ptr<float>() : nullptr,
+                      x.data_ptr<float>(), x.size(0), K_, y.data_ptr<float>(), N_);
+    return;
+  }
+#endif
 #if PAGECLI_INT4_AVX2
   if (!vnni_) {
     const Int4Pairs w{weights_.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_min_.data_ptr<at::Half>()),
@@ -306,7 +424,7 @@ at::Tensor PackedLinearInt4::scales() const {
   return scale_min_.defined() ? scale_min_ : at::empty({0}, weights_.options().dtype(at::kFloat));
 }
 
-const char* PackedLinearInt4::kind() const { return vnni_ ? "avx512_vnni" : "avx2"; }
+const char* PackedLinearInt4::kind() const { return wide_ ? "avx512_vnni_i16" : vnni_ ? "avx512_vnni" : "avx2"; }
 
 const char* int4_linear_kind() {
   return PAGECLI_INT4_VNNI ? "avx512_vnni" : PAGECLI_INT4_AVX2 ? "avx2" : "";
