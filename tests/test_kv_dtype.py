@@ -77,6 +77,9 @@ def test_fingerprint_name_keeps_the_old_name_for_auto():
     assert kv_fingerprint_name(torch.bfloat16, "int8", KVFormat("bfloat16", 64)) == "bfloat16+int8-b64"
     assert kv_fingerprint_name(torch.bfloat16, "int4", KVFormat("bfloat16", 64)) == "bfloat16+int4"
     assert kv_fingerprint_name(torch.bfloat16, "none", KVFormat("int8", 64)) == "bfloat16/kv-int8"
+    # a float32 model's 4-bit products on the VNNI wide tiles: KV bytes of another rounding than the AVX2 kernel's
+    assert kv_fingerprint_name(torch.float32, "gguf", KVFormat("float32", 64), wide=True) == "float32+gguf/a32639"
+    assert kv_fingerprint_name(torch.float32, "gguf", KVFormat("float32", 64)) == "float32+gguf"
 
 
 def test_engine_config_refuses_an_unknown_kv_dtype():

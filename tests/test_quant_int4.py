@@ -227,6 +227,27 @@ def test_a_float32_model_rounds_activations_to_int16_and_keeps_the_references_to
     assert got == reference
 
 
+def test_the_wide_tiles_keep_their_prefixes_apart_from_the_avx2_kernels(tiny_model_factory, monkeypatch):
+    """A float32 model's 4-bit products round activations to 32639 levels on a VNNI build and to 32767 at the
+    avx2 level: KV bytes a little apart, so the disk store's fingerprints differ; a bf16 model's are the same."""
+    if native.cpu_ops() is None or native.cpu_ops().int4_linear_kind() != "avx512_vnni" or "avx2" not in COMPILED_LEVELS:
+        pytest.skip("the wide tiles need an AVX512-VNNI build beside the avx2 level")
+    folder = tiny_model_factory("llama")
+
+    def prints(level_name):
+        monkeypatch.setenv("PAGECLI_CPU_ISA", level_name)
+        monkeypatch.setattr(native, "_state", {})
+        found = {}
+        for dtype in ("float32", "bfloat16"):
+            with quantized_engine(folder, "int4", dtype=dtype) as engine:
+                found[dtype] = engine.fingerprint
+        return found
+
+    vnni, avx2 = prints(COMPILED_LEVELS[0]), prints("avx2")
+    assert vnni["float32"] != avx2["float32"] and "a32639" in vnni["float32"]
+    assert "a32639" not in vnni["bfloat16"]
+
+
 def test_int4_weights_count_as_their_packed_bytes(tiny_model_factory):
     folder = tiny_model_factory("llama")
     sizes = {}

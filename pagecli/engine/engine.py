@@ -158,7 +158,8 @@ class Engine:
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
         # Quantized weights or another KV format give other KV bytes than the model's dtype: another fingerprint.
         self.fingerprint = model_fingerprint(
-            loaded.folder, self.chat_template, kv_fingerprint_name(loaded.dtype, self.quantize, self.kv_format),
+            loaded.folder, self.chat_template,
+            kv_fingerprint_name(loaded.dtype, self.quantize, self.kv_format, self.plan.rounds_wide(cpu_ops)),
             self.config.block_size,
         )
         if self.merged_lora is not None:  # the weights are the adapter's: its prefixes are not the base's

@@ -84,13 +84,17 @@ def model_fingerprint(folder: Path, chat_template: str | None, kv_dtype: str, bl
     ))
 
 
-def kv_fingerprint_name(model_dtype: torch.dtype, quantize: str, kv_format: KVFormat) -> str:
+def kv_fingerprint_name(model_dtype: torch.dtype, quantize: str, kv_format: KVFormat, wide: bool = False) -> str:
     """What the disk store's fingerprint says of the KV bytes: the model dtype they come from (and its
     weight quantization), and the cache format when it is not the model's dtype. Runs with
-    `--kv-dtype auto` keep the name they had before the option existed, so their stores still hit."""
-    from pagecli.models.quantize import INT8_FORMAT
+    `--kv-dtype auto` keep the name they had before the option existed, so their stores still hit.
+    wide: the 4-bit products round activations to int16 on the VNNI panels (WeightPlan.rounds_wide), which
+    stores made before that kernel, or at the avx2 level, did not."""
+    from pagecli.models.quantize import INT8_FORMAT, WIDE_LEVELS
 
     weights = {"none": "", "int8": f"+{INT8_FORMAT}"}.get(quantize, f"+{quantize}")
+    if wide:
+        weights += f"/a{WIDE_LEVELS}"
     name = str(model_dtype).removeprefix("torch.") + weights
     if kv_format.name != str(model_dtype).removeprefix("torch."):
         name += f"/kv-{kv_format.name}"

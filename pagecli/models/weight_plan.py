@@ -136,6 +136,13 @@ class WeightPlan:
             return "int8"
         return "float"
 
+    def rounds_wide(self, ops: CpuOps | None) -> bool:
+        """Whether this plan's 4-bit products round activations to int16 on the VNNI panels (quant_int4.cpp's wide
+        tiles, 32639 levels) rather than on the AVX2 kernel (32767): their KV bytes differ a little, so the disk
+        prefix store keeps them apart (models/fingerprint.kv_fingerprint_name)."""
+        return (self.int16_activations and self.int4_native and self.quantize in ("int4", "gguf") and ops is not None
+                and ops.int4_linear_kind() == "avx512_vnni")
+
     def summary(self) -> str:
         """A few words for the start-up line: the dtype and the forms."""
         words = f"{str(self.dtype).removeprefix('torch.')}, {SHORT[self.decoder]}"
