@@ -18,8 +18,9 @@ to return it with a small change. The embedded model (SmolLM2-135M-Instruct) at 
 (dtype and --quantize auto), chat template applied, one request at a time, 2 threads. Prints output
 tokens per second over the whole set (prefill included) and, one request at a time, the decode rate (the
 tokens after each request's first over the time after it), median [range] of the repetitions, per
-configuration, the drafts' acceptance and tokens per checking pass, and the number of requests whose output differs from
-speculation off (must be 0).
+configuration (prefix caching off, so every repetition prefills its prompts), the drafts' acceptance
+and tokens per checking pass, and the number of requests whose output differs from speculation off
+(must be 0).
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     draft_model = args.draft_model or (str(resolve_model(None)) if "draft" in methods else None)
-    common = {"disk_cache": False, "threads": args.threads, "quantize": args.quantize, "dtype": args.dtype}
+    # No prefix caching: with it every repetition after the first found each prompt cached (its end-to-end rate
+    # was then nearly its decode rate), so repetitions were not alike.
+    common = {"disk_cache": False, "enable_prefix_caching": False, "threads": args.threads, "quantize": args.quantize,
+              "dtype": args.dtype}
     configs = {"off": EngineConfig(**common, speculate="off")} if "off" in methods else {}
     for k in (int(v) for v in args.k.split(",")):
         if "ngram" in methods:
