@@ -230,7 +230,8 @@ def test_a_float32_model_rounds_activations_to_int16_and_keeps_the_references_to
 def test_the_wide_tiles_keep_their_prefixes_apart_from_the_avx2_kernels(tiny_model_factory, monkeypatch):
     """A float32 model's 4-bit products round activations to 32639 levels on a VNNI build and to 32767 at the
     avx2 level: KV bytes a little apart, so the disk store's fingerprints differ; a bf16 model's are the same."""
-    if native.cpu_ops() is None or native.cpu_ops().int4_linear_kind() != "avx512_vnni" or "avx2" not in COMPILED_LEVELS:
+    ops = native.cpu_ops()
+    if ops is None or ops.int4_linear_kind() != "avx512_vnni" or "avx2" not in COMPILED_LEVELS:
         pytest.skip("the wide tiles need an AVX512-VNNI build beside the avx2 level")
     folder = tiny_model_factory("llama")
 

@@ -128,8 +128,9 @@ def activation_levels(kind: str) -> int:
 
 def round_activations(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """What the native quantized products do to their activations (act_quant.h's int8 with levels
-    127, panel_i16.h's int16 with 32767, the VNNI int4 kernel's wide tiles with 32639): x [..., K] -> (xq [M, B, 64] float64 holding integers in
-    [-levels, levels], zero past K; d [M, B, 1] float64), M rows, B blocks of 64: d = max |x| / levels
+    127, panel_i16.h's int16 with 32767, the VNNI int4 kernel's wide tiles with 32639): x [..., K] ->
+    (xq [M, B, 64] float64 holding integers in [-levels, levels], zero past K; d [M, B, 1] float64),
+    M rows, B blocks of 64: d = max |x| / levels
     and xq = round(x * (levels / max |x|)) per block, a block whose max |x| is below 1e-30 zeros."""
     K = x.shape[-1]
     blocks = -(-K // ACTIVATION_BLOCK)
