@@ -227,9 +227,9 @@ void wide_tile_kernel(const WideTile& t) {
 
 // x [M, K] float32 times the panel blocks (+ bias) -> y [M, N] float32 on the wide tiles, without a tensor
 // allocated: the rounded rows go to the team's shared scratch inside a Team (DecodeStep's forward_team), else
-// to memory of this call's own; the units as run_vnni_product's. Each tile folded into `choices` where given.
+// to memory of this call's own; the units as run_vnni_product's.
 void wide_product_into(const uint8_t* blocks, int64_t groups, const float* bias, const float* x, int64_t M, int64_t K,
-                       float* y, int64_t N, GreedyChoices* choices = nullptr) {
+                       float* y, int64_t N) {
   if (M == 0) return;
   const int64_t bytes = WideRows::bytes(M, K);
   const TeamSeat& seat = team_seat();
@@ -253,7 +253,6 @@ void wide_product_into(const uint8_t* blocks, int64_t groups, const float* bias,
         } else {
           wide_tile_kernel<2>(t);
         }
-        if (choices) choices->tile(t.y, N, m0, n_rows, panel * kPanelCols, t.cols);
       }
     }
   });
