@@ -31,7 +31,7 @@ def outputs(engine: Engine, prompts=PROMPTS, sampling=GREEDY) -> list[tuple[tupl
 
 
 def propose(token_ids, max_tokens, max_ngram=3, min_ngram=1, window=4096):
-    """The reference NgramIndex is held to: a backward scan for the latest earlier occurrence of the longest
+    """The lookup NgramIndex is held to: a backward scan for the latest earlier occurrence of the longest
     matching suffix n-gram (what the engine ran before the index)."""
     total = len(token_ids)
     if max_tokens <= 0 or total < min_ngram + 1:
@@ -47,6 +47,42 @@ def propose(token_ids, max_tokens, max_ngram=3, min_ngram=1, window=4096):
     return []
 
 
+class CursorScan:
+    """The reference for NgramIndex with its copy cursor: while the tokens gained since the last proposal are
+    those that followed its source, go on from there; else the scan above, whose proposal is found again in the
+    tokens to place the cursor."""
+
+    def __init__(self, max_ngram=3, min_ngram=1, window=4096):
+        self.args = (max_ngram, min_ngram, window)
+        self.cursor = None  # (tokens when proposed, where the proposal was copied from)
+
+    def propose(self, token_ids, max_tokens):
+        max_ngram, min_ngram, window = self.args
+        total = len(token_ids)
+        if self.cursor and self.cursor[0] > total:
+            self.cursor = None  # cut back
+        if max_tokens <= 0 or total < min_ngram + 1:
+            return []
+        if self.cursor:
+            then, source = self.cursor
+            at = source + total - then
+            if total - window <= at < total and list(token_ids[then:]) == list(token_ids[source:at]):
+                self.cursor = (total, at)
+                return list(token_ids[at : at + max_tokens])
+        self.cursor = None
+        found = propose(token_ids, max_tokens, max_ngram, min_ngram, window)
+        if found:  # where the scan copied from: the latest start of its n-gram's continuation
+            start = max(0, total - window)
+            for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+                at = next((a for a in range(total - n - 1, start - 1, -1)
+                           if list(token_ids[a : a + n]) == list(token_ids[total - n :])), None)
+                if at is not None:
+                    self.cursor = (total, at + n)
+                    break
+            assert list(token_ids[self.cursor[1] : self.cursor[1] + max_tokens]) == found
+        return found
+
+
 def lookup(token_ids, max_tokens):
     return NgramIndex(3).propose(token_ids, max_tokens)
 
@@ -57,6 +93,20 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
         assert proposer([5, 6, 7], 4) == []  # nothing repeats
         assert proposer([4, 4, 4, 4], 2) == [4]  # the latest earlier match, cut at the end of what is known
         assert proposer([1, 2, 1, 2], 0) == []
+
+
+def test_prompt_lookup_goes_on_copying_from_where_it_copied():
+    """The copy cursor: once a proposal came from a place, the tokens that followed it there come next while the
+    output keeps following it, though the latest occurrence of the newest n-gram is another place."""
+    prompt = [1, 2, 3, 4, 7, 9, 2, 3, 4, 8]
+    index = NgramIndex(3)
+    assert index.propose(prompt + [1], 2) == [2, 3]  # from position 1: after the only earlier 1
+    # The model took both drafts and chose 4 after them, as position 3 holds: the copy goes on with 7 and 9,
+    # where the latest 2, 3, 4 (at 6) is followed by 8.
+    assert index.propose(prompt + [1, 2, 3, 4], 2) == [7, 9]
+    assert propose(prompt + [1, 2, 3, 4], 2) == [8, 1]
+    # The output left the source (5, not 7): the lookup again.
+    assert index.propose(prompt + [1, 2, 3, 4, 5], 2) == propose(prompt + [1, 2, 3, 4, 5], 2)
 
 
 @pytest.mark.parametrize("config", [
@@ -268,19 +318,27 @@ def test_auto_takes_drafts_where_checking_runs_in_the_one_call_decode_step(tiny_
 
 
 def test_the_ngram_index_proposes_what_a_scan_does():
-    """NgramIndex (kept as a sequence grows) against propose() (a scan), at every length of random token
-    runs over small vocabularies (many repeats), several draft counts, n-gram sizes and windows."""
+    """NgramIndex (kept as a sequence grows) against CursorScan (a scan and the copy cursor), at every length of
+    random token runs over small vocabularies (many repeats), several draft counts, n-gram sizes and windows; the
+    runs often copy an earlier stretch for a while, so the cursor is followed and left."""
     import random
 
     rng = random.Random(0)
     for trial in range(60):
         vocab, max_ngram, window = rng.choice([2, 3, 5, 40]), rng.choice([1, 2, 3, 5]), rng.choice([6, 20, 4096])
-        index = NgramIndex(max_ngram, 1, window)
+        index, scan = NgramIndex(max_ngram, 1, window), CursorScan(max_ngram, 1, window)
         tokens: list[int] = []
-        for _ in range(120):
-            tokens.append(rng.randrange(vocab))
+        copying = -1
+        while len(tokens) < 120:
+            for _ in range(rng.choice([1, 1, 2, 3])):  # a step's tokens: one, or a pass's accepted drafts and one
+                if copying >= 0 and rng.random() < 0.8:
+                    tokens.append(tokens[copying])
+                    copying += 1
+                else:
+                    tokens.append(rng.randrange(vocab))
+                    copying = rng.randrange(len(tokens)) if rng.random() < 0.3 else -1
             wanted = rng.choice([0, 1, 4, 8])
-            assert index.propose(tokens, wanted) == propose(tokens, wanted, max_ngram, 1, window), (trial, tokens)
+            assert index.propose(tokens, wanted) == scan.propose(tokens, wanted), (trial, tokens)
     cut = NgramIndex(3)
     cut.propose([1, 2, 3, 1, 2], 2)
     assert cut.propose([7, 8, 7], 2) == propose([7, 8, 7], 2)  # cut back and grown again: rebuilt
