@@ -100,8 +100,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("speculate", "speculate", Optional[str], _opt(
         "--speculate", help="auto|off|ngram: speculative decoding. ngram (prompt lookup) proposes the tokens "
                             "that followed the latest earlier occurrence of the output's last few tokens (and "
-                            "goes on from there while the output keeps following it) and checks them in one pass: the tokens plain decoding gives (greedy, or sampled with the "
-                            "same seed), several a step where the output repeats its input (editing, quoting); "
+                            "goes on from there while the output keeps following it) and checks them in one "
+                            "pass: the tokens plain decoding gives (greedy, or sampled with the same seed), "
+                            "several a step where the output repeats its input (editing, quoting); "
                             "one sequence at a time. draft: a draft model's greedy tokens (--draft-model), checked "
                             "the same way. auto (default): ngram on a CPU with pagecli's kernels, off on a GPU.",
         metavar="KIND")),
