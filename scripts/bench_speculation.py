@@ -72,6 +72,13 @@ OPEN_TOPICS = ["a lighthouse keeper", "the first winter on Mars", "a bakery that
                "a bridge built overnight", "a festival of lanterns", "a quiet astronaut"]
 
 
+def edit_prompts(tokenizer) -> list[list[int]]:
+    """The editing set's 20 requests (SET), chat template applied."""
+    requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
+    return [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
+                             add_special_tokens=False) for r in requests]
+
+
 def open_prompts(tokenizer) -> list[list[int]]:
     """20 open-ended chat requests (a story each): little of the output repeats the prompt."""
     return [tokenizer.encode(tokenizer.apply_chat_template(
@@ -139,12 +146,7 @@ def main() -> None:
     if args.make_set:
         make_set(tokenizer)
         return
-    if args.workload == "edit":
-        requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
-                                    add_special_tokens=False) for r in requests]
-    else:
-        prompts = open_prompts(tokenizer)
+    prompts = edit_prompts(tokenizer) if args.workload == "edit" else open_prompts(tokenizer)
     prompts = prompts[: args.requests]
     sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=1, max_tokens=args.max_tokens) if args.sampled \
         else SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
+from bench_speculation import edit_prompts  # scripts/ is on the path when a script there runs
 from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.draft_budget import DraftBudget
 from pagecli.engine.ngram_proposer import NgramIndex
-
-SET = Path(__file__).parent / "data" / "edit_set.jsonl"
 
 
 class LatestOnly(NgramIndex):
@@ -45,10 +44,7 @@ def greedy_outputs(path: Path) -> tuple[list[list[int]], list[list[int]]]:
         return kept["prompts"], kept["outputs"]
     torch.set_num_threads(2)
     engine = Engine(None, EngineConfig(disk_cache=False, speculate="off", threads=2).for_one_stream())
-    tokenizer = engine.tokenizer
-    requests = [json.loads(line) for line in SET.read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True),
-                                add_special_tokens=False) for r in requests]
+    prompts = edit_prompts(engine.tokenizer)
     print(f"generating the set's greedy outputs once (kept in {path}) ...", flush=True)
     outputs = [list(done.token_ids) for done in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=256))]
     path.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
