@@ -4,12 +4,15 @@
     .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
         [--workload edit|open] [--batch N] [--sampled] [--threads 2]
         [--methods off,ngram,draft] [--model PATH] [--requests N] [--dtype D] [--quantize KIND]
-        [--draft-model PATH] [--draft-quantize KIND]
+        [--draft-model PATH] [--draft-quantize KIND] [--paired]
     .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
 
 --workload open: 20 open-ended story requests instead (the issue's bound: speculation on costs at most 5%
 there); --batch N sends N requests together; --sampled runs the shipped sampling (0.7 / 0.95) with a seed,
-where speculation must give the same tokens too. --methods draft drafts with --draft-model (default: the
+where speculation must give the same tokens too. --paired runs each request with every configuration back to
+back (the order alternating), so that the pairs are timed seconds apart (this machine's speed swings between
+levels over minutes, which moves whole-set medians), and prints the ratio of each request's decode rate to
+speculation off's, median [range] over the requests and repetitions. --methods draft drafts with --draft-model (default: the
 embedded model at its own defaults) for the main model at --dtype and --quantize (default auto).
 
 The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
@@ -124,7 +127,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="the main model's --dtype")
     ap.add_argument("--draft-model", default=None, help="--speculate draft's model (default: the embedded one)")
     ap.add_argument("--draft-quantize", default="auto", help="the draft model's --quantize")
+    ap.add_argument("--paired", action="store_true", help="every configuration per request, back to back")
     args = ap.parse_args()
+    if args.paired and ("off" not in args.methods.split(",") or args.batch != 1):
+        ap.error("--paired compares with speculation off, one request at a time: keep off in --methods, --batch 1")
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     draft_model = args.draft_model or (str(resolve_model(None)) if "draft" in methods else None)
@@ -158,6 +164,9 @@ def main() -> None:
           f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), {args.batch} at a time, "
           f"{'sampled 0.7/0.95, seeded' if args.sampled else 'greedy'}, max_tokens {args.max_tokens}; "
           f"output tok/s over the set")
+    if args.paired:
+        paired(engines, prompts, args.max_tokens, sampling, args.reps)
+        return
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
     reference: list[tuple[int, ...]] | None = None
@@ -187,6 +196,42 @@ def main() -> None:
             f"({statistics.median(decode) / decode_base:.2f}x)")
         print(f"{name:10} {statistics.median(values):7.1f} [{min(values):.1f}-{max(values):.1f}] tok/s "
               f"({statistics.median(values) / base:.2f}x){decode_part}{extra}")
+
+
+def paired(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int, sampling: SamplingParams,
+           reps: int) -> None:
+    """Each request with every configuration back to back, the order alternating; per configuration, the
+    ratio of each request's decode rate to speculation off's, and the decode rate over all of them."""
+    ratios: dict[str, list[float]] = {name: [] for name in engines if name != "off"}
+    tokens = {name: 0 for name in engines}
+    seconds = {name: 0.0 for name in engines}
+    differing = {name: 0 for name in engines}
+    for rep in range(reps):
+        for i, prompt in enumerate(prompts):
+            order = list(engines) if (rep + i) % 2 == 0 else list(reversed(engines))
+            rates, outputs = {}, {}
+            for name in order:
+                _, rates[name], (outputs[name],) = run(engines[name], [prompt], max_tokens, 1, sampling)
+                done_tokens = len(outputs[name]) - 1
+                tokens[name] += done_tokens
+                seconds[name] += done_tokens / rates[name] if rates[name] else 0.0
+            for name in ratios:
+                if rates["off"] and rates[name]:
+                    ratios[name].append(rates[name] / rates["off"])
+                differing[name] += outputs[name] != outputs["off"]
+        line = ", ".join(f"{name} {statistics.median(r[-len(prompts):]):.2f}x" for name, r in ratios.items())
+        print(f"  rep {rep + 1}: per-request decode ratio, median: {line}", flush=True)
+    for name in engines:
+        rate = tokens[name] / seconds[name] if seconds[name] else 0.0
+        extra = ""
+        if name in ratios and ratios[name]:
+            r, stats = ratios[name], engines[name].stats()
+            extra = (f"; per-request ratio to off {statistics.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}] over "
+                     f"{len(r)} pairs, whole set {rate * seconds['off'] / tokens['off']:.2f}x")
+            if stats.spec_passes:
+                extra += (f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} "
+                          f"tokens per pass; outputs differing from off: {differing[name]}")
+        print(f"{name:10} decode {rate:.1f} tok/s over {tokens[name]} tokens{extra}")
 
 
 def _draft_cost(engine: Engine) -> str:

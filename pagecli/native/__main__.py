@@ -59,7 +59,7 @@ def quantized_kernels(ops: CpuOps) -> str:
     named = ", ".join(f"{name} on {kind or 'the PyTorch reference'}" for name, kind in kinds.items())
     if "avx512_vnni" in kinds.values():
         named += (" (AVX512-VNNI: bf16/fp16 models' activations rounded to int8 in blocks of 64; float32 "
-                  "models' to int16 on the avx2 kernels)")
+                  "models' to int16: int4 products on VNNI as two int8 halves, int8 ones on the avx2 kernels)")
     elif "avx2" in kinds.values():
         named += " (activations rounded to int16 in blocks of 64, multiplied with vpmaddwd)"
     return named
