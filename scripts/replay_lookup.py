@@ -26,6 +26,7 @@ from pagecli.config import EngineConfig, SamplingParams
 from pagecli.engine import Engine
 from pagecli.engine.draft_budget import DraftBudget
 from pagecli.engine.ngram_proposer import NgramIndex
+from pagecli.engine.speculation import lookup_drafts
 
 
 class LatestOnly(NgramIndex):
@@ -59,14 +60,7 @@ def replay(proposer_class, prompts, outputs, row_cost: float, pass_cost: float, 
         seq = list(prompt) + output[:1]
         t = 1
         while t < len(output):  # as Speculator.add_drafts and verify do, with the output as the model's choices
-            room = min(k, len(output) - t - 1)
-            budget.settle_guess(seq)
-            length = budget.length(row_cost, room, pass_cost) if room > 0 else 0
-            drafts = proposer.propose(seq, length or min(room, 1))
-            if not length:
-                if drafts:
-                    budget.guess(len(seq), drafts[0])
-                drafts = []
+            drafts = lookup_drafts(budget, proposer, seq, min(k, len(output) - t - 1), row_cost, pass_cost)
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == output[t + accepted]:
                 accepted += 1

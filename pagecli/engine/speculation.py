@@ -77,6 +77,21 @@ def speculates(seq: Sequence) -> bool:
             and seq.num_tokens > seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1)
 
 
+def lookup_drafts(budget: DraftBudget, index: NgramIndex, token_ids: list[int], room: int, row_cost: float,
+                  pass_cost: float) -> list[int]:
+    """Prompt lookup's drafts for a sequence's next step: as many of the index's proposal as the budget takes
+    (at most `room`), or none where no count beats a plain step; the proposal's first token is then kept as a
+    shadow guess that the next token settles (the budget's acceptance goes on learning without a row)."""
+    budget.settle_guess(token_ids)
+    length = budget.length(row_cost, room, pass_cost) if room > 0 else 0
+    drafts = index.propose(token_ids, length or min(room, 1))
+    if length:
+        return drafts
+    if drafts:
+        budget.guess(len(token_ids), drafts[0])
+    return []
+
+
 class Speculator:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, on_cpu: bool = True,
                  drafter: DraftModel | None = None) -> None:
@@ -115,14 +130,7 @@ class Speculator:
             if self.drafter is not None:
                 self._add_model_drafts(seq, budget, source, room, row_cost, pass_cost)
                 continue
-            index = source
-            budget.settle_guess(seq.token_ids)
-            length = budget.length(row_cost, room, pass_cost) if room > 0 else 0
-            drafts = index.propose(seq.token_ids, length or min(room, 1))
-            if not length:
-                if drafts:  # not worth a row: a guess the next token will settle
-                    budget.guess(seq.num_tokens, drafts[0])
-                continue
+            drafts = lookup_drafts(budget, source, seq.token_ids, room, row_cost, pass_cost)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft = len(drafts)
