@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_speculation.py [--reps 3] [--max-tokens 256] [--k 4,8]
         [--workload edit|open] [--batch N] [--sampled] [--threads 2]
         [--methods off,ngram,draft] [--model PATH] [--requests N] [--dtype D] [--quantize KIND]
-        [--draft-model PATH] [--draft-quantize KIND] [--paired]
+        [--draft-model PATH] [--draft-quantize KIND] [--paired] [--max-batch N]
     .venv/bin/python scripts/bench_speculation.py --make-set    # rewrite scripts/data/edit_set.jsonl
 
 --workload open: 20 open-ended story requests instead (the issue's bound: speculation on costs at most 5%
@@ -12,7 +12,8 @@ there); --batch N sends N requests together; --sampled runs the shipped sampling
 where speculation must give the same tokens too. --paired runs each request with every configuration back to
 back (the order alternating), so that the pairs are timed seconds apart (this machine's speed swings between
 levels over minutes, which moves whole-set medians), and prints the ratio of each request's decode rate to
-speculation off's, median [range] over the requests and repetitions. --methods draft drafts with --draft-model (default: the
+speculation off's, median [range] over the requests and repetitions. --max-batch N lets sequences draft while up to N run
+(speculate_max_batch; the engine's default is 1). --methods draft drafts with --draft-model (default: the
 embedded model at its own defaults) for the main model at --dtype and --quantize (default auto).
 
 The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="--speculate draft's model (default: the embedded one)")
     ap.add_argument("--draft-quantize", default="auto", help="the draft model's --quantize")
     ap.add_argument("--paired", action="store_true", help="every configuration per request, back to back")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="speculate_max_batch: drafts while at most this many sequences run (default: the engine's, 1)")
     args = ap.parse_args()
     if args.paired and ("off" not in args.methods.split(",") or args.batch != 1):
         ap.error("--paired compares with speculation off, one request at a time: keep off in --methods, --batch 1")
@@ -138,6 +141,8 @@ def main() -> None:
     # was then nearly its decode rate), so repetitions were not alike.
     common = {"disk_cache": False, "enable_prefix_caching": False, "threads": args.threads, "quantize": args.quantize,
               "dtype": args.dtype}
+    if args.max_batch is not None:
+        common["speculate_max_batch"] = args.max_batch
     configs = {"off": EngineConfig(**common, speculate="off")} if "off" in methods else {}
     for k in (int(v) for v in args.k.split(",")):
         if "ngram" in methods:

@@ -19,7 +19,8 @@ row count's time decayed likewise: r the slope of a line through the checking pa
 row over a plain step's time; from priors until steps of two row counts are timed (and until two counts of
 checking passes are, for c), held within
 [0.02, 0.6] and [0, 0.3]: within those, a sequence copying for sure (a = 1) always drafts, so whether drafts are
-taken where they cannot fail never hangs on timing (and drafts never change the output).
+taken where they cannot fail never hangs on timing (and drafts never change the output). Where drafts are allowed
+in a batch (speculate_max_batch), r and c are rescaled to a sequence's part of the batch's step (batch_costs).
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ class DraftBudget:
         if drafts:
             self.accepted = DECAY * self.accepted + accepted
             self.drafts = DECAY * self.drafts + drafts
+
+
+def batch_costs(row_cost: float, pass_cost: float, sequences: int) -> tuple[float, float]:
+    """(r, c) for one of `sequences` decoding together, as shares of that sequence's part of a plain step. With a
+    step of R rows costing 1 + r (R - 1) one-row steps (a batch's rows cost about what a sequence's draft rows do:
+    on a CPU the products' work grows with the rows), a sequence's part of a plain batch step is (1 + r (B - 1)) / B
+    of a one-row step: a draft row costs r of a one-row step, so B r / (1 + r (B - 1)) of that part; the pass's
+    own cost c is shared by the sequences drafting, taken as all of them. At B = 1 both are as given."""
+    share = (1.0 + row_cost * (sequences - 1)) / sequences
+    return row_cost / share, pass_cost / sequences / share
 
 
 def draft_step_share(seconds_per_draft: float | None, plain_step_s: float | None) -> float:

@@ -28,7 +28,9 @@ lets it resume when the output starts copying. Proposals come from each sequence
 tokens (engine/draft_model.py): there a draft also costs a draft-model step (timed, added to r), and a
 sequence that takes none probes with a real pass now and then instead of shadow guesses. And no sequence
 takes drafts while more than `speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts
-cost more than the steps they save (at 4 sequences 0.93x on the editing set, AVX2).
+cost more than the steps they save (at 4 sequences 0.93x on the editing set, AVX2). Where more are allowed, a
+sequence among B weighs a draft row against its own part of the batch's step (draft_budget.batch_costs), which
+is what kept sampled open text in batches of 4 from losing 8% (AMD EPYC Zen 4; docs/benchmarks/speculation.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pagecli.attention.cpu_backend import SHORT_CHUNK_TOKENS
 from pagecli.config.settings import EngineConfig
 from pagecli.engine.kv_cache_manager import KVCacheManager
 from pagecli.engine.draft_budget import (CPU_ROW_COST, GPU_ROW_COST, PROBE_DRAFTS, DraftBudget, ProbeClock, RowCost,
-                                         draft_step_share)
+                                         batch_costs, draft_step_share)
 from pagecli.engine.draft_model import DraftModel
 from pagecli.engine.ngram_proposer import NgramIndex
 from pagecli.engine.sampler import sample
@@ -119,6 +121,7 @@ class Speculator:
         row_cost, pass_cost = self.row_cost.costs()
         if self.drafter is not None:  # each draft also costs a draft-model step
             row_cost += draft_step_share(self.drafter.seconds_per_draft, self.row_cost.plain_step_s)
+        row_cost, pass_cost = batch_costs(row_cost, pass_cost, max(1, len(running)))
         for seq in running:
             if not speculates(seq):
                 continue
