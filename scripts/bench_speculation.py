@@ -12,7 +12,8 @@ there); --batch N sends N requests together; --sampled runs the shipped sampling
 where speculation must give the same tokens too. --paired runs each request with every configuration back to
 back (the order alternating), so that the pairs are timed seconds apart (this machine's speed swings between
 levels over minutes, which moves whole-set medians), and prints the ratio of each request's decode rate to
-speculation off's, median [range] over the requests and repetitions. --max-batch N lets sequences draft while up to N run
+speculation off's, median [range] over the requests and repetitions; with --batch N, each group of N requests
+sent together is run so, and its output rate (prefill included) is compared. --max-batch N lets sequences draft while up to N run
 (speculate_max_batch; the engine's default is 1). --methods draft drafts with --draft-model (default: the
 embedded model at its own defaults) for the main model at --dtype and --quantize (default auto).
 
@@ -132,8 +133,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None,
                     help="speculate_max_batch: drafts while at most this many sequences run (default: the engine's, 1)")
     args = ap.parse_args()
-    if args.paired and ("off" not in args.methods.split(",") or args.batch != 1):
-        ap.error("--paired compares with speculation off, one request at a time: keep off in --methods, --batch 1")
+    if args.paired and "off" not in args.methods.split(","):
+        ap.error("--paired compares with speculation off: keep off in --methods")
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     draft_model = args.draft_model or (str(resolve_model(None)) if "draft" in methods else None)
@@ -170,7 +171,7 @@ def main() -> None:
           f"{'sampled 0.7/0.95, seeded' if args.sampled else 'greedy'}, max_tokens {args.max_tokens}; "
           f"output tok/s over the set")
     if args.paired:
-        paired(engines, prompts, args.max_tokens, sampling, args.reps)
+        paired(engines, prompts, args.max_tokens, sampling, args.reps, args.batch)
         return
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
@@ -194,7 +195,8 @@ def main() -> None:
         extra = "" if not stats.spec_passes else (
             f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} tokens per pass, "
             f"outputs differing from off: {differing[name]}; a row's measured cost r = "
-            f"{engines[name].speculator.row_cost.value:.2f} of a one-row step{_draft_cost(engines[name])}")
+            f"{engines[name].speculator.row_cost.value:.2f} of a one-row step{_batch_cost(engines[name], args.batch)}"
+            f"{_draft_cost(engines[name])}")
         decode = decode_speeds[name]
         decode_part = "" if not decode_base else (
             f"; decode {statistics.median(decode):.1f} [{min(decode):.1f}-{max(decode):.1f}] "
@@ -204,39 +206,54 @@ def main() -> None:
 
 
 def paired(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int, sampling: SamplingParams,
-           reps: int) -> None:
-    """Each request with every configuration back to back, the order alternating; per configuration, the
-    ratio of each request's decode rate to speculation off's, and the decode rate over all of them."""
+           reps: int, batch: int = 1) -> None:
+    """Each request (each group of `batch` requests sent together) with every configuration back to back, the
+    order alternating; per configuration, the ratio of each request's decode rate (a group's output tok/s,
+    prefill included) to speculation off's, and the rate over all of them."""
     ratios: dict[str, list[float]] = {name: [] for name in engines if name != "off"}
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
     differing = {name: 0 for name in engines}
+    groups = [prompts[first : first + batch] for first in range(0, len(prompts), batch)]
     for rep in range(reps):
-        for i, prompt in enumerate(prompts):
+        for i, group in enumerate(groups):
             order = list(engines) if (rep + i) % 2 == 0 else list(reversed(engines))
             rates, outputs = {}, {}
             for name in order:
-                _, rates[name], (outputs[name],) = run(engines[name], [prompt], max_tokens, 1, sampling)
-                done_tokens = len(outputs[name]) - 1
+                speed, decode_rate, outputs[name] = run(engines[name], group, max_tokens, batch, sampling)
+                rates[name] = decode_rate if batch == 1 else speed
+                done_tokens = sum(len(out) - (1 if batch == 1 else 0) for out in outputs[name])
                 tokens[name] += done_tokens
                 seconds[name] += done_tokens / rates[name] if rates[name] else 0.0
             for name in ratios:
                 if rates["off"] and rates[name]:
                     ratios[name].append(rates[name] / rates["off"])
-                differing[name] += outputs[name] != outputs["off"]
-        line = ", ".join(f"{name} {statistics.median(r[-len(prompts):]):.2f}x" for name, r in ratios.items())
-        print(f"  rep {rep + 1}: per-request decode ratio, median: {line}", flush=True)
+                differing[name] += sum(a != b for a, b in zip(outputs[name], outputs["off"]))
+        line = ", ".join(f"{name} {statistics.median(r[-len(groups):]):.2f}x" for name, r in ratios.items())
+        print(f"  rep {rep + 1}: per-{'request decode' if batch == 1 else 'group'} ratio, median: {line}",
+              flush=True)
+    what = "decode" if batch == 1 else "output (prefill included)"
     for name in engines:
         rate = tokens[name] / seconds[name] if seconds[name] else 0.0
         extra = ""
         if name in ratios and ratios[name]:
             r, stats = ratios[name], engines[name].stats()
-            extra = (f"; per-request ratio to off {statistics.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}] over "
-                     f"{len(r)} pairs, whole set {rate * seconds['off'] / tokens['off']:.2f}x")
+            extra = (f"; per-{'request' if batch == 1 else 'group'} ratio to off {statistics.median(r):.2f}x "
+                     f"[{min(r):.2f}-{max(r):.2f}] over {len(r)} pairs, whole set "
+                     f"{rate * seconds['off'] / tokens['off']:.2f}x")
             if stats.spec_passes:
                 extra += (f"; acceptance {stats.spec_acceptance:.0%}, {stats.spec_tokens / stats.spec_passes:.2f} "
-                          f"tokens per pass; outputs differing from off: {differing[name]}")
-        print(f"{name:10} decode {rate:.1f} tok/s over {tokens[name]} tokens{extra}")
+                          f"tokens per pass; outputs differing from off: {differing[name]}"
+                          f"{_batch_cost(engines[name], batch)}")
+        print(f"{name:10} {what} {rate:.1f} tok/s over {tokens[name]} tokens{extra}")
+
+
+def _batch_cost(engine: Engine, batch: int) -> str:
+    """r and c a sequence's drafts were weighed with in the set's batches (their part of a batch's step)."""
+    if batch == 1:
+        return ""
+    row_cost, pass_cost = engine.speculator.row_cost.costs(batch)
+    return f"; in batches of {batch}: r = {row_cost:.2f}, c = {pass_cost:.2f} of a sequence's part of a step"
 
 
 def _draft_cost(engine: Engine) -> str:

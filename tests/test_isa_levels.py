@@ -43,6 +43,20 @@ def test_a_level_the_cpu_lacks_or_that_does_not_exist_is_refused(monkeypatch, va
         isa.chosen_level(ZEN4)
 
 
+def test_a_level_forced_down_to_avx2_computes_as_a_cpu_without_bf16_does(monkeypatch):
+    # dtype auto then takes float32, as on an AVX2 CPU, not bf16 through oneDNN's AVX2 code (whose products of a
+    # few rows are not each row's bits alone: a checking pass of speculation changed sampled outputs there).
+    from pagecli.native import cpu_has_bf16
+
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    assert cpu_has_bf16(ZEN4) and cpu_has_bf16(XEON_AMX)
+    monkeypatch.setenv(isa.ENV_VAR, "avx2")
+    assert not cpu_has_bf16(ZEN4) and not cpu_has_bf16(XEON_AMX)
+    monkeypatch.setenv(isa.ENV_VAR, "avx512")
+    assert cpu_has_bf16(ZEN4) and cpu_has_bf16(XEON_AMX)
+    assert not cpu_has_bf16("avx2 fma f16c")  # a CPU without it, whatever is forced
+
+
 def test_every_compiled_level_has_its_flags():
     assert set(isa.LEVEL_CFLAGS) == set(isa.LEVELS) - {"torch"}
 

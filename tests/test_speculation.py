@@ -4,6 +4,7 @@ it, under every kind of step, fewer steps where the output repeats the prompt, a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from architecture_helpers import at_level  # noqa: F401  (a fixture)
 from native_levels import COMPILED_LEVELS
@@ -279,6 +280,41 @@ def test_in_a_batch_a_draft_row_costs_more_of_each_sequences_share_of_the_step()
     assert best_length(0.95, r8, 8, c8) > 0
 
 
+def test_in_a_batch_the_costs_come_from_the_steps_timed_at_that_batch_size_once_there_are_enough():
+    from types import SimpleNamespace
+
+    from pagecli.engine.draft_budget import RowCost, batch_costs
+    from pagecli.engine.speculation import Speculator
+
+    def close(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return all(abs(x - y) < 1e-9 for x, y in zip(a, b))
+
+    cost = RowCost(0.45, measure=True)
+    for rows, seconds in ((1, 0.010), (3, 0.012), (5, 0.014)):  # one sequence: 1 ms a row over 10 ms, c = 0
+        cost.observe(rows, seconds)
+    scaled = batch_costs(0.1, 0.0, 4)
+    assert close(cost.costs(4), scaled)  # nothing timed with 4 sequences: the one-sequence figures, scaled
+    cost.observe(4, 0.0114, sequences=4)  # a plain step of 4 (Zen 4's bf16 batches: 11.4 ms)
+    cost.observe(6, 0.0149, sequences=4)
+    assert close(cost.costs(4), scaled)  # one count of checking passes: not yet a line
+    cost.observe(10, 0.0197, sequences=4)  # 1.2 ms a row, the line 1.1 ms over the plain step at 4 rows
+    r, c = cost.costs(4)
+    assert abs(r - 0.0012 * 4 / 0.0114) < 1e-9 and abs(c - 0.0011 / 0.0114) < 1e-9
+    assert r > scaled[0]  # what the scaling missed: the batch's draft rows cost more than one sequence's said
+    assert close(cost.costs(1), (0.1, 0.0)) and close(cost.costs(2), batch_costs(0.1, 0.0, 2))  # the others unchanged
+    cost.observe(12, 1.0, sequences=4)  # a wild sample is held within the bounds
+    r, c = cost.costs(4)
+    assert r <= 1.0 and 0 <= c <= 0.3
+
+    def item(prompt: int, tokens: int, new: int, drafts: int = 0) -> SimpleNamespace:
+        seq = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=tokens, num_draft=drafts)
+        return SimpleNamespace(seq=seq, num_new_tokens=new)
+
+    decoding = [item(5, 9, 1), item(5, 12, 4, drafts=3)]
+    assert Speculator.timed_rows(decoding) == (2, 5)  # every sequence decoding: timed, drafts counted
+    assert Speculator.timed_rows([*decoding, item(8, 8, 8)]) is None  # a prompt's chunk in the step: not
+
+
 def test_a_sequence_drafts_at_most_four_until_a_pass_accepts_all_then_its_cap_doubles_up_to_k():
     from pagecli.engine.draft_budget import FIRST_CAP, DraftBudget
 
@@ -332,6 +368,26 @@ def test_auto_takes_drafts_where_checking_runs_in_the_one_call_decode_step(tiny_
     assert resolve_method(EngineConfig(speculate="auto", num_speculative_tokens=16), model, backend) == "off"
     assert resolve_method(EngineConfig(speculate="ngram"), SimpleNamespace(decode_step=None), None) == "ngram"
     assert resolve_method(EngineConfig(speculate="off"), model, backend) == "off"
+    assert resolve_method(auto, model, backend, rows_exact=False) == "off"  # products that sum rows together
+
+
+def test_auto_leaves_drafts_off_where_the_products_do_not_give_each_row_its_bits_alone(tiny_model_factory,
+                                                                                      at_level):
+    """A bf16 model on the avx2 level's kernels runs PyTorch's (oneDNN's) products, which sum a row otherwise
+    among a few rows than alone: checking passes there changed sampled outputs (batches of 2, AMD EPYC Zen 4
+    forced to avx2, 7 of 30 requests), so auto leaves drafts off; float32's panels keep them. And a forced avx2
+    level takes float32 for dtype auto, as an AVX2 CPU does (native.cpu_has_bf16)."""
+    if not native.enabled() or "avx2" not in COMPILED_LEVELS:
+        pytest.skip("no avx2 kernels here")
+    at_level("avx2")
+    folder = tiny_model_factory("llama")
+    common = {"device": "cpu", "num_blocks": 256, "block_size": 4, "disk_cache": False}
+    bf16 = Engine(str(folder), EngineConfig(dtype="bfloat16", **common))
+    assert bf16.plan.decoder == "float" and not bf16.plan.rows_exact(native.cpu_ops())
+    assert bf16.speculate == "off"
+    assert Engine(str(folder), EngineConfig(dtype="bfloat16", speculate="ngram", **common)).speculate == "ngram"
+    f32 = Engine(str(folder), EngineConfig(dtype="auto", **common))
+    assert f32.plan.dtype == torch.float32 and f32.speculate == "ngram"
 
 
 def test_the_ngram_index_proposes_what_a_scan_does():

@@ -59,6 +59,18 @@ def test_the_unquantized_forms_follow_the_dtype_and_the_level():
     assert (torch_path.decoder, torch_path.native, torch_path.decode_step) == ("float", False, False)
 
 
+def test_rows_are_exact_only_where_every_product_gives_a_row_its_bits_alone():
+    f32, bf16_vnni, amx, avx2 = kernels(), kernels("avx512_vnni", packed=True), kernels(amx=True), kernels()
+    assert plan_weights(torch.float32, CPU, "none", f32).rows_exact(f32)  # float32 panels
+    assert plan_weights(torch.float32, CPU, "gguf", f32, Q4_1_FILE).rows_exact(f32)  # the blocks, native
+    assert plan_weights(torch.bfloat16, CPU, "none", bf16_vnni).rows_exact(bf16_vnni)  # bf16 panels
+    assert plan_weights(torch.bfloat16, CPU, "none", amx).rows_exact(amx)  # AMX tiles over the weights as they lie
+    assert not plan_weights(torch.bfloat16, CPU, "none", avx2).rows_exact(avx2)  # oneDNN's bf16 products
+    no_panels = kernels(panels=False)
+    assert not plan_weights(torch.float32, CPU, "none", no_panels).rows_exact(no_panels)  # PyTorch's float32 GEMM
+    assert not plan_weights(torch.float32, CPU, "int8", None).rows_exact(None)  # the PyTorch reference
+
+
 def test_switches_turn_the_panels_and_the_team_off(monkeypatch):
     monkeypatch.setenv("PAGECLI_BF16_WEIGHTS", "0")
     monkeypatch.setenv("PAGECLI_PACKED_GEMM", "0")

@@ -96,11 +96,11 @@ class EngineConfig:
     draft_quantize: str = "auto"  # the draft model's --quantize (its own default unless told)
     num_speculative_tokens: int = 8  # the most drafts checked per step and sequence (each starts at 4: draft_budget)
     speculate_max_ngram: int = 3  # the longest suffix looked up; down to 1
-    # Drafts only while at most this many sequences run: a draft's row costs about what a sequence's row
-    # does, so in a batch the rows added cost more than the steps saved (docs/benchmarks/speculation.md).
-    # Raised, each sequence weighs its drafts against its part of the batch's step: on a Zen 4 (bf16, VNNI) 4
-    # gave editing batches 1.35x and open text 0.99-1.05x; forced to AVX2, sampled open text lost 4-8%.
-    speculate_max_batch: int = 1
+    # Drafts only while at most this many sequences run. In a batch each sequence weighs its drafts against its
+    # part of the batch's step, timed at that batch size (draft_budget.RowCost): on a Zen 4, each group run with
+    # and without drafts back to back, editing batches of 2-8 ran 1.19-1.66x and open text 0.97-1.00x (bf16);
+    # at the avx2 level (float32) 1.20x and 1.00-1.05x (docs/benchmarks/speculation.md). Past 8, not measured.
+    speculate_max_batch: int = 8
     # LoRA adapters a request may name (`lora`): (name, path to a PEFT folder) pairs; a dict is taken too.
     loras: tuple[tuple[str, str], ...] = ()
     max_loras: int = DEFAULT_MAX_LORAS  # adapters in memory at once: least recently used ones make room

@@ -20,7 +20,9 @@ row over a plain step's time; from priors until steps of two row counts are time
 checking passes are, for c), held within
 [0.02, 0.6] and [0, 0.3]: within those, a sequence copying for sure (a = 1) always drafts, so whether drafts are
 taken where they cannot fail never hangs on timing (and drafts never change the output). Where drafts are allowed
-in a batch (speculate_max_batch), r and c are rescaled to a sequence's part of the batch's step (batch_costs).
+in a batch (speculate_max_batch), r and c are a sequence's part of the batch's step: fitted likewise to the
+engine's timed steps of that many decoding sequences (RowCost.costs), and scaled from the one-sequence figures
+(batch_costs) until those are timed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ PRIOR_ACCEPTED, PRIOR_DRAFTS = 1.0, 2.0  # a new sequence's acceptance: one half
 CPU_ROW_COST = 0.45  # r before a CPU engine has timed its own steps (AVX2's int16 products, measured)
 GPU_ROW_COST = 0.05  # r on a GPU: a decode step's few rows are memory-bound, not timed (no sync is added)
 MIN_ROW_COST, MAX_ROW_COST = 0.02, 0.6
+# In a batch a draft row is weighed against a sequence's part of the step (batch_costs), which can be most of
+# what the row costs: timed there, r is held below this (a share of the part, not of a one-row step).
+MAX_BATCH_ROW_COST = 1.0
 PASS_COST = 0.12  # c before a CPU engine has timed checking passes of two row counts (module docstring)
 MAX_PASS_COST = 0.3  # with MAX_ROW_COST: one draft copied for sure still clears HURDLE (2 / 1.9)
 HURDLE = 1.05  # drafts only where the estimates put a pass's tokens per cost this far above a plain step's
@@ -153,35 +158,58 @@ class ProbeClock:
 
 class RowCost:
     """r (value) and c (pass_cost): what a row adds to a decode step and what a checking pass adds beyond its rows,
-    as shares of a one-row step, fitted to timed single-sequence steps (module docstring)."""
+    as shares of a one-row step, fitted to timed steps of decoding sequences (module docstring); for a batch of
+    B, as shares of a sequence's part of a plain step of B (batch_costs), from the steps timed at B where there
+    are enough of them."""
 
     def __init__(self, prior: float, measure: bool) -> None:
         self.prior = prior
         self.measure = measure
-        self.times: dict[int, float] = {}  # rows -> decayed seconds of a step of that many rows
+        self.times: dict[tuple[int, int], float] = {}  # (sequences, rows) -> decayed seconds of such a step
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
+        """A step of `sequences` decoding sequences, `rows` rows in all (their drafts included), took `seconds`."""
         if self.measure and seconds > 0:
-            old = self.times.get(rows)
-            self.times[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+            key = (sequences, rows)
+            old = self.times.get(key)
+            self.times[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
-    def costs(self) -> tuple[float, float]:
-        """(r, c) from the steps timed so far (module docstring), each within its bounds."""
-        passes = {rows: t for rows, t in self.times.items() if rows > 1}
-        if 1 in self.times and len(passes) >= 2:  # the passes' own line, over a plain step
+    def costs(self, sequences: int = 1) -> tuple[float, float]:
+        """(r, c) for one of `sequences` decoding together, from the steps timed so far, each within its bounds.
+        One sequence: the module docstring's fit. A batch of B: a line through the timed checking passes of B
+        sequences (two row counts at least) over the timed plain step of B: a draft row costs the line's slope
+        of a sequence's part of that step (plain / B), and what a pass costs beyond its rows is shared by the B
+        (as batch_costs shares it); until such steps are timed, batch_costs scales the one-sequence figures.
+        Timed, a batch's rows showed what the scaling missed (Zen 4, bf16 batches of 4: a plain step 11.4 ms,
+        ~1.2 ms a draft row, r = 0.42 of a sequence's part where the one-sequence fit scaled gave ~0.3)."""
+        if sequences <= 1:
+            return self._one_sequence()
+        own = {rows: t for (seqs, rows), t in self.times.items() if seqs == sequences}
+        plain = own.get(sequences)
+        passes = {rows: t for rows, t in own.items() if rows > sequences}
+        if plain is None or len(passes) < 2:
+            return batch_costs(*self._one_sequence(), sequences)
+        per_row, at_plain = _line(passes, sequences)
+        return (min(MAX_BATCH_ROW_COST, max(MIN_ROW_COST, per_row * sequences / plain)),
+                min(MAX_PASS_COST, max(0.0, (at_plain - plain) / plain)))
+
+    def _one_sequence(self) -> tuple[float, float]:
+        times = {rows: t for (seqs, rows), t in self.times.items() if seqs == 1}
+        passes = {rows: t for rows, t in times.items() if rows > 1}
+        if 1 in times and len(passes) >= 2:  # the passes' own line, over a plain step
             per_row, at_one = _line(passes)
-            one_row = self.times[1]
+            one_row = times[1]
             return (min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / one_row)),
                     min(MAX_PASS_COST, max(0.0, at_one / one_row - 1.0)))
-        if len(self.times) < 2:
+        if len(times) < 2:
             return self.prior, PASS_COST
-        per_row, at_one = _line(self.times)
+        per_row, at_one = _line(times)
         return (MAX_ROW_COST if at_one <= 0 else min(MAX_ROW_COST, max(MIN_ROW_COST, per_row / at_one))), PASS_COST
 
     @property
     def plain_step_s(self) -> float | None:
         """The decayed time of a plain one-row step, None until one is timed."""
-        return self.times.get(1)
+        return self.times.get((1, 1))
 
     @property
     def value(self) -> float:
@@ -192,11 +220,11 @@ class RowCost:
         return self.costs()[1]
 
 
-def _line(times: dict[int, float]) -> tuple[float, float]:
-    """The least-squares line through (rows, seconds) points: its slope, and its value at one row."""
+def _line(times: dict[int, float], at: int = 1) -> tuple[float, float]:
+    """The least-squares line through (rows, seconds) points: its slope, and its value at `at` rows."""
     n = len(times)
     mean_rows = sum(times) / n
     mean_time = sum(times.values()) / n
     spread = sum((rows - mean_rows) ** 2 for rows in times)
     per_row = sum((rows - mean_rows) * (t - mean_time) for rows, t in times.items()) / spread
-    return per_row, mean_time + per_row * (1 - mean_rows)
+    return per_row, mean_time + per_row * (at - mean_rows)

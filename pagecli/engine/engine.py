@@ -182,7 +182,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.stop_token_ids = self._stop_token_ids()
         self.beams = BeamGroups(self.kv, self.scheduler, self.stop_token_ids)
-        self.speculate = resolve_method(self.config, loaded.model, self.backend)  # --speculate, auto resolved
+        self.speculate = resolve_method(self.config, loaded.model, self.backend,  # --speculate, auto resolved
+                                        self.plan.rows_exact(cpu_ops))
         self.speculator = (Speculator(self.config, self.kv, on_cpu=self.loaded.device.type == "cpu",
                                       drafter=self.drafter) if self.speculate != "off" else None)
         self._requests: dict[str, dict[int, _Request]] = {}  # request_id -> candidate index -> text state

@@ -27,10 +27,11 @@ lets it resume when the output starts copying. Proposals come from each sequence
 (ngram_proposer.NgramIndex), a few lookups a step, or with --speculate draft from a draft model's greedy
 tokens (engine/draft_model.py): there a draft also costs a draft-model step (timed, added to r), and a
 sequence that takes none probes with a real pass now and then instead of shadow guesses. And no sequence
-takes drafts while more than `speculate_max_batch` run (1 unless told): on a CPU the rows of a batch's drafts
-cost more than the steps they save (at 4 sequences 0.93x on the editing set, AVX2). Where more are allowed, a
-sequence among B weighs a draft row against its own part of the batch's step (draft_budget.batch_costs), which
-is what kept sampled open text in batches of 4 from losing 8% (AMD EPYC Zen 4; docs/benchmarks/speculation.md).
+takes drafts while more than `speculate_max_batch` run (8 unless told). A sequence among B weighs a draft row
+against its own part of the batch's step (draft_budget.RowCost.costs: the steps of B sequences as timed, scaled
+from one sequence's until they are), which is what kept sampled open text in batches of 4 from losing 8% (AMD
+EPYC Zen 4): with it, batches of 2-8 ran open text at 0.97-1.05x and editing at 1.19-1.66x there
+(docs/benchmarks/speculation.md).
 """
 
 from __future__ import annotations
@@ -54,18 +55,20 @@ from pagecli.engine.sequence import Sequence
 from pagecli.native.interface import CpuOps
 
 
-def resolve_method(config: EngineConfig, model: Any, backend: Any) -> str:
+def resolve_method(config: EngineConfig, model: Any, backend: Any, rows_exact: bool = True) -> str:
     """--speculate's method for this engine; auto is ngram where a checking step runs in the one-call decode
-    step (a CPU with pagecli's kernels, a model they run in one call, drafts that fit a short chunk): there it
-    gives plain decoding's tokens bit for bit and was never measured below 0.95x of plain decoding (open text,
-    greedy and sampled) while editing ran 1.3-1.7x (docs/benchmarks/speculation.md). Off elsewhere: on a GPU
-    it is not measured yet, and the PyTorch path's checking chunks are not plain decoding's bits."""
+    step (a CPU with pagecli's kernels, a model they run in one call, drafts that fit a short chunk) on
+    products that give each row its bits alone (rows_exact: WeightPlan.rows_exact): there it gives plain
+    decoding's tokens bit for bit and was never measured below 0.95x of plain decoding (open text, greedy and
+    sampled) while editing ran 1.3-1.7x (docs/benchmarks/speculation.md). Off elsewhere: on a GPU it is not
+    measured yet, and the PyTorch path's checking chunks (or PyTorch's products) are not plain decoding's bits;
+    asked for by name it runs there too, its tokens then plain decoding's up to the products' last bits."""
     if config.speculate != "auto":
         return config.speculate
     one_call = (getattr(model, "decode_step", None) is not None and getattr(backend, "cpu_ops", None) is not None
                 and getattr(backend, "one_call_rows", None) is not None
                 and 1 + config.num_speculative_tokens <= SHORT_CHUNK_TOKENS)
-    return "ngram" if one_call else "off"
+    return "ngram" if one_call and rows_exact else "off"
 
 
 def speculates(seq: Sequence) -> bool:
@@ -118,10 +121,13 @@ class Speculator:
     def add_drafts(self, running: list[Sequence]) -> None:
         if len(running) > self.max_batch:
             return
-        row_cost, pass_cost = self.row_cost.costs()
-        if self.drafter is not None:  # each draft also costs a draft-model step
+        sequences = max(1, len(running))
+        if self.drafter is not None:  # each draft also costs a draft-model step (the one-sequence figures, scaled)
+            row_cost, pass_cost = self.row_cost.costs()
             row_cost += draft_step_share(self.drafter.seconds_per_draft, self.row_cost.plain_step_s)
-        row_cost, pass_cost = batch_costs(row_cost, pass_cost, max(1, len(running)))
+            row_cost, pass_cost = batch_costs(row_cost, pass_cost, sequences)
+        else:
+            row_cost, pass_cost = self.row_cost.costs(sequences)
         for seq in running:
             if not speculates(seq):
                 continue
@@ -157,20 +163,22 @@ class Speculator:
             seq.num_draft = len(drafts)
 
     @staticmethod
-    def timed_rows(scheduled: list) -> int | None:
-        """The rows of a step the row cost learns from (one decoding sequence, plain or checking; taken before
-        the step, as verify takes the drafts back), else None."""
-        if len(scheduled) == 1:
-            item = scheduled[0]
-            if item.num_new_tokens == 1 + item.seq.num_draft and item.seq.num_tokens > item.seq.num_prompt_tokens:
-                return item.num_new_tokens
-        return None
+    def timed_rows(scheduled: list) -> tuple[int, int] | None:
+        """(sequences, rows) of a step the row cost learns from: every scheduled sequence decoding, plain or
+        checking (taken before the step, as verify takes the drafts back), else None."""
+        rows = 0
+        for item in scheduled:
+            if item.num_new_tokens != 1 + item.seq.num_draft or item.seq.num_tokens <= item.seq.num_prompt_tokens:
+                return None
+            rows += item.num_new_tokens
+        return (len(scheduled), rows) if scheduled else None
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, timed: tuple[int, int], seconds: float) -> None:
         """A step's time, from its forward to its tokens sampled and checked: every row of a checking pass is
         sampled too (a sampled row's temperature and top-p over the whole vocabulary are not free beside a small
         model's forward: sampled open text ran 0.87x when only the forward was timed), so the row cost counts it."""
-        self.row_cost.observe(rows, seconds)
+        sequences, rows = timed
+        self.row_cost.observe(rows, seconds, sequences)
 
     def settle(self, plan: SchedulerOutput, drafted: Iterable[Sequence]) -> SchedulerOutput:
         """The plan with every sequence whose drafts the scheduler did not take whole back to a plain

@@ -136,6 +136,16 @@ class WeightPlan:
             return "int8"
         return "float"
 
+    def rows_exact(self, ops: CpuOps | None) -> bool:
+        """Whether each product gives a row the same bits alone as among others (what speculation's checking
+        passes need to give plain decoding's tokens): the panels and the native quantized kernels do, and AMX
+        tiles; PyTorch's products of the `float` form do not (its float32 GEMM, and oneDNN's bf16 one behind the
+        row kernels: on a forced avx2 level a checking pass's rows changed sampled outputs), nor quantized
+        forms run in PyTorch (no one-call decode step)."""
+        amx_tiles = self.dtype == torch.bfloat16 and ops is not None and bool(ops.has_amx())
+        forms = {self.decoder, self.output, self.floats}
+        return self.decode_step and ("float" not in forms or amx_tiles)
+
     def rounds_wide(self, ops: CpuOps | None) -> bool:
         """Whether this plan's 4-bit products round activations to int16 on the VNNI panels (quant_int4.cpp's wide
         tiles, 32639 levels) rather than on the AVX2 kernel (32767): their KV bytes differ a little, so the disk

@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Callable
 
 from pagecli import paths
+from pagecli.errors import PagecliError
 from pagecli.native import isa
 
 _HERE = Path(__file__).parent
@@ -115,9 +116,19 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+def cpu_has_bf16(flags: str | None = None) -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX) as this process runs it: a level
+    forced down to avx2 (PAGECLI_CPU_ISA) stands for a CPU without AVX-512, hence without BF16, so that it
+    measures what such a CPU runs (float32 where the dtype is auto, not bf16 through oneDNN's AVX2 code, whose
+    products of a few rows are not each row's bits alone: speculation's checking passes then changed sampled
+    outputs)."""
+    flags = cpu_flags() if flags is None else flags
+    if not {"avx512_bf16", "amx_bf16"} & set(flags.split()):
+        return False
+    try:
+        return isa.chosen_level(flags) != "avx2"
+    except PagecliError:  # a PAGECLI_CPU_ISA that is not a level: said where the kernels load
+        return True
 
 
 def level() -> str:
