@@ -14,7 +14,7 @@ back (the order alternating), so that the pairs are timed seconds apart (this ma
 levels over minutes, which moves whole-set medians), and prints the ratio of each request's decode rate to
 speculation off's, median [range] over the requests and repetitions; with --batch N, each group of N requests
 sent together is run so, and its output rate (prefill included) is compared. --max-batch N lets sequences draft while up to N run
-(speculate_max_batch; the engine's default is 1). --methods draft drafts with --draft-model (default: the
+(speculate_max_batch; the engine's default is 8). --methods draft drafts with --draft-model (default: the
 embedded model at its own defaults) for the main model at --dtype and --quantize (default auto).
 
 The workload (scripts/data/edit_set.jsonl, kept in the repository): 20 requests, each a 300-600 token
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--draft-quantize", default="auto", help="the draft model's --quantize")
     ap.add_argument("--paired", action="store_true", help="every configuration per request, back to back")
     ap.add_argument("--max-batch", type=int, default=None,
-                    help="speculate_max_batch: drafts while at most this many sequences run (default: the engine's, 1)")
+                    help="speculate_max_batch: drafts while at most this many sequences run (default: the engine's, 8)")
     args = ap.parse_args()
     if args.paired and "off" not in args.methods.split(","):
         ap.error("--paired compares with speculation off: keep off in --methods")

@@ -165,14 +165,15 @@ class RowCost:
     def __init__(self, prior: float, measure: bool) -> None:
         self.prior = prior
         self.measure = measure
-        self.times: dict[tuple[int, int], float] = {}  # (sequences, rows) -> decayed seconds of such a step
+        # sequences -> rows -> decayed seconds of a step of that many decoding sequences and rows in all
+        self.times: dict[int, dict[int, float]] = {}
 
     def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
         """A step of `sequences` decoding sequences, `rows` rows in all (their drafts included), took `seconds`."""
         if self.measure and seconds > 0:
-            key = (sequences, rows)
-            old = self.times.get(key)
-            self.times[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+            times = self.times.setdefault(sequences, {})
+            old = times.get(rows)
+            times[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
     def costs(self, sequences: int = 1) -> tuple[float, float]:
         """(r, c) for one of `sequences` decoding together, from the steps timed so far, each within its bounds.
@@ -184,7 +185,7 @@ class RowCost:
         ~1.2 ms a draft row, r = 0.42 of a sequence's part where the one-sequence fit scaled gave ~0.3)."""
         if sequences <= 1:
             return self._one_sequence()
-        own = {rows: t for (seqs, rows), t in self.times.items() if seqs == sequences}
+        own = self.times.get(sequences, {})
         plain = own.get(sequences)
         passes = {rows: t for rows, t in own.items() if rows > sequences}
         if plain is None or len(passes) < 2:
@@ -194,7 +195,7 @@ class RowCost:
                 min(MAX_PASS_COST, max(0.0, (at_plain - plain) / plain)))
 
     def _one_sequence(self) -> tuple[float, float]:
-        times = {rows: t for (seqs, rows), t in self.times.items() if seqs == 1}
+        times = self.times.get(1, {})
         passes = {rows: t for rows, t in times.items() if rows > 1}
         if 1 in times and len(passes) >= 2:  # the passes' own line, over a plain step
             per_row, at_one = _line(passes)
@@ -209,7 +210,7 @@ class RowCost:
     @property
     def plain_step_s(self) -> float | None:
         """The decayed time of a plain one-row step, None until one is timed."""
-        return self.times.get((1, 1))
+        return self.times.get(1, {}).get(1)
 
     @property
     def value(self) -> float:
